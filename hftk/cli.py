@@ -1,0 +1,44 @@
+"""The ``hftk`` command: ``train`` plus the tools around a run (configs, plan, export, push, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hftk import __version__
+from hftk.errors import HftkError
+
+
+def _train(rest: list[str]) -> int:
+    from hftk.run import main
+
+    return main(rest)
+
+
+# name -> (help, handler taking the remaining argv). Each handler parses its own options.
+COMMANDS = {
+    "train": ("Fine-tune in this process, or under a launcher (same options as scripts/finetune.py).", _train),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="hftk", description="Fine-tune Hugging Face causal LMs past one GPU.")
+    parser.add_argument("--version", action="version", version=f"hftk {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, _) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    if argv[0] not in COMMANDS:
+        parser.parse_args(argv[:1])  # prints argparse's "invalid choice" message and exits 2
+    try:
+        return COMMANDS[argv[0]][1](argv[1:])
+    except HftkError as exc:
+        print(f"hftk: error: {exc.one_line()}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

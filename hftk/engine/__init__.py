@@ -1,0 +1,1 @@
+"""Training engines: the HF Trainer path (``trainer``) and the distributed-world guard."""

@@ -1,0 +1,109 @@
+"""The HF Trainer engine: build TrainingArguments, data, model, callbacks; train; save.
+
+Order matters: ``TrainingArguments`` is built first because it starts the process group
+and, for ZeRO-3, registers the DeepSpeed config that ``from_pretrained`` must see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hftk import strategies
+from hftk.checkpoint import resolve_resume
+from hftk.data import tokenize_and_pack
+from hftk.engine.guard import WorldGuard, check_world
+from hftk.errors import HftkError
+from hftk.modeling import load_model, load_tokenizer
+from hftk.monitor import MetricsCallback, SyncCheckCallback
+from hftk.run_types import PreparedRun
+
+FINAL_DIR = "final"
+
+
+def build_training_arguments(prepared: PreparedRun, extra: dict[str, Any]) -> Any:
+    """``TrainingArguments`` from the validated config; starts the process group."""
+    from transformers import TrainingArguments
+
+    cfg = prepared.cfg
+    kwargs = {**cfg.training, **extra}
+    kwargs.setdefault("use_cpu", not torch.cuda.is_available())
+    kwargs.setdefault(_checkpointing_kwargs_field(), {"use_reentrant": False})  # reentrant breaks DDP + LoRA
+    if not prepared.has_eval:
+        kwargs["eval_strategy"] = "no"
+    _configure_wandb(cfg, kwargs)
+    return TrainingArguments(**kwargs)
+
+
+def _checkpointing_kwargs_field() -> str:
+    """transformers renamed gradient_checkpointing_kwargs (5.x keeps the old name as an alias)."""
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing_kwargs" if "activation_checkpointing_kwargs" in names else "gradient_checkpointing_kwargs"
+
+
+def _configure_wandb(cfg: Any, kwargs: dict[str, Any]) -> None:
+    """wandb runs offline (files under the output dir) unless an API key is configured."""
+    report_to = kwargs.get("report_to") or []
+    if "wandb" not in (report_to if isinstance(report_to, list) else [report_to]):
+        return
+    os.environ.setdefault("WANDB_PROJECT", cfg.tracking.wandb_project)
+    os.environ.setdefault("WANDB_DIR", str(cfg.output_dir))
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    has_key = os.environ.get("WANDB_API_KEY") or "api.wandb.ai" in _netrc_text()
+    if not has_key:
+        os.environ["WANDB_MODE"] = "offline"
+
+
+def _netrc_text() -> str:
+    path = Path.home() / ".netrc"
+    return path.read_text() if path.exists() else ""
+
+
+def train(prepared: PreparedRun) -> dict[str, float]:
+    """Run the Trainer for a prepared (validated) config; returns the final metrics."""
+    from transformers import Trainer, default_data_collator
+
+    cfg = prepared.cfg
+    strategy = strategies.get(cfg.strategy.strategy)
+    args = build_training_arguments(prepared, strategy.training_arguments(cfg, prepared.model_config))
+    check_world(args.world_size)
+
+    tokenizer = load_tokenizer(cfg.model)
+    with args.main_process_first(desc="tokenize"):
+        data = tokenize_and_pack(cfg.data, prepared.raw, tokenizer, prepared.data_format, args.seed)
+    if prepared.has_eval and data.eval is None:
+        raise HftkError("data.eval_fraction", f"the held-out text is shorter than one block of {cfg.data.block_size}.",
+                        "raise data.eval_fraction, lower data.block_size, or set data.eval_fraction to 0.")
+    model = strategy.prepare_model(load_model(cfg.model), cfg)
+
+    samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    guard = WorldGuard(strategy.verify)
+    metrics_cb = MetricsCallback(cfg.output_dir / cfg.tracking.metrics_file,
+                                 tokens_per_step=samples_per_step * cfg.data.block_size,
+                                 samples_per_step=samples_per_step)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
+        data_collator=default_data_collator, processing_class=tokenizer, callbacks=[guard],
+    )
+    # First in line so tensorboard / wandb see the throughput and perplexity it adds to each log.
+    trainer.callback_handler.callbacks.insert(0, metrics_cb)
+    if cfg.tracking.check_sync_steps > 0:
+        trainer.add_callback(SyncCheckCallback(cfg.tracking.check_sync_steps, metrics_cb.metrics_path))
+    guard.trainer = trainer
+
+    resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))
+    result = trainer.train(resume_from_checkpoint=resume)
+    metrics = dict(result.metrics)
+    if data.eval is not None:
+        metrics.update(trainer.evaluate())
+    strategy.save_final(trainer, cfg.output_dir / FINAL_DIR)
+    # Tear the process group down ourselves: gloo aborts ("terminate called without an active
+    # exception") when the interpreter exits with it still alive.
+    trainer.accelerator.end_training()
+    return metrics

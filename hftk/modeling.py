@@ -1,0 +1,105 @@
+"""Load the model and tokenizer: Hub id (with revision), local folder, or built-in.
+
+Parallelism is never applied here; strategies wrap or shard the plain model from outside.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hftk import builtin
+from hftk.config import ModelConfig
+from hftk.errors import HftkError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(cfg: ModelConfig) -> str:
+    """A local folder or Hub id that ``from_pretrained`` accepts (built-ins materialised)."""
+    name = cfg.model_name_or_path
+    if builtin.is_builtin(name):
+        return str(builtin.materialize_model(name))
+    return name
+
+
+def load_model_config(cfg: ModelConfig) -> Any:
+    """The model's transformers config only (no weights): for validation and the memory plan."""
+    from transformers import AutoConfig
+
+    name = cfg.model_name_or_path
+    if builtin.is_builtin(name):
+        if name.removeprefix(builtin.PREFIX) not in builtin.MODELS:
+            raise HftkError(
+                "model.model_name_or_path", f"unknown built-in model '{name}'.",
+                f"use one of: {', '.join(builtin.PREFIX + m for m in builtin.MODELS)}.",
+            )
+        config = builtin.builtin_model_config(name)
+    else:
+        looks_local = name.startswith((".", "/", "~")) or Path(name).exists()
+        if looks_local and not (Path(name).expanduser() / "config.json").exists():
+            raise HftkError(
+                "model.model_name_or_path", f"'{name}' is not a model folder (no config.json there).",
+                "pass a folder written by save_pretrained, or a Hub id like 'gpt2'.",
+            )
+        try:
+            config = AutoConfig.from_pretrained(
+                name, revision=cfg.model_revision, trust_remote_code=cfg.trust_remote_code
+            )
+        except (OSError, ValueError) as exc:
+            raise HftkError(
+                "model.model_name_or_path", f"cannot load the config of '{name}': {str(exc).splitlines()[0]}",
+                "check the Hub id and revision, your network and HF_TOKEN, or pass a local folder.",
+            ) from None
+    _apply_dropout(config, cfg.model_dropout)
+    return config
+
+
+def _apply_dropout(config: Any, dropout: float | None) -> None:
+    if dropout is None:
+        return
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout",
+                "attention_probs_dropout_prob", "hidden_dropout_prob", "dropout"):
+        if hasattr(config, key):
+            setattr(config, key, dropout)
+
+
+def load_tokenizer(cfg: ModelConfig) -> Any:
+    """Tokenizer with a pad token (GPT-style models ship without one; eos serves)."""
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer_name_or_path or resolve_model_path(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(
+        source, revision=cfg.model_revision, trust_remote_code=cfg.trust_remote_code
+    )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(cfg: ModelConfig) -> Any:
+    """``AutoModelForCausalLM.from_pretrained`` with hftk's dtype / dropout / attention choices.
+
+    Gradient checkpointing is switched on by the engine (``training.gradient_checkpointing``).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = load_model_config(cfg)
+    kwargs: dict[str, Any] = {"dtype": DTYPES[cfg.model_dtype], "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(cfg), config=config, revision=cfg.model_revision, **kwargs
+    )
+    return model
+
+
+def context_length(config: Any) -> int | None:
+    """The longest sequence the model accepts, from whichever field its family uses."""
+    for key in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -1,0 +1,98 @@
+"""Run metrics: step time, tokens/s, samples/s, perplexity, written to a JSON-lines file.
+
+The callback works with the Trainer; hftk's own loops call :func:`append_jsonl` directly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+class MetricsCallback(TrainerCallback):
+    """Adds throughput and perplexity to every log and appends it to ``metrics_file`` on rank 0."""
+
+    def __init__(self, metrics_path: Path, tokens_per_step: int, samples_per_step: int) -> None:
+        self.metrics_path = metrics_path
+        self.tokens_per_step = tokens_per_step
+        self.samples_per_step = samples_per_step
+        self._step_start = 0.0
+        self._window_time = 0.0
+        self._window_steps = 0
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._step_start = time.perf_counter()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._window_time += time.perf_counter() - self._step_start
+        self._window_steps += 1
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if logs is None:
+            return
+        if "loss" in logs and self._window_steps:
+            step_time = self._window_time / self._window_steps
+            logs["step_time_s"] = step_time
+            logs["tokens_per_s"] = self.tokens_per_step / step_time
+            logs["samples_per_s"] = self.samples_per_step / step_time
+            self._window_time, self._window_steps = 0.0, 0
+        if "eval_loss" in logs:
+            logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 50.0))
+        if state.is_world_process_zero:
+            append_jsonl(self.metrics_path, {"step": state.global_step, "epoch": state.epoch, **logs})
+
+
+def parameter_digest(model: Any) -> str:
+    """sha256 over every parameter's bytes, in name order: equal digests mean bitwise-equal replicas."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        tensor = param.detach()
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        digest.update(name.encode())
+        digest.update(tensor.to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class SyncCheckCallback(TrainerCallback):
+    """Every ``every`` steps, all-gathers each rank's parameter digest; logs ``ranks_in_sync``.
+
+    Meant for replicated layouts (DDP, DeepSpeed ZeRO after gathering): a data-parallel run whose
+    replicas drift apart trains garbage without an error.
+    """
+
+    def __init__(self, every: int, metrics_path: Path) -> None:
+        self.every = every
+        self.metrics_path = metrics_path
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        import torch.distributed as dist
+
+        if state.global_step % self.every:
+            return
+        digest = parameter_digest(model)
+        digests = [digest]
+        if dist.is_initialized():
+            digests = [None] * dist.get_world_size()
+            dist.all_gather_object(digests, digest)
+        if state.is_world_process_zero:
+            append_jsonl(self.metrics_path, {"step": state.global_step, "ranks_in_sync": len(set(digests)) == 1,
+                                             "param_digests": digests})
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

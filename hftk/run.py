@@ -1,0 +1,44 @@
+"""One fine-tuning run: parse and validate everything, then hand over to an engine.
+
+Everything up to :func:`prepare` runs before any process group exists, so bad input costs
+one line on stderr and exit code 2, and nothing on disk is touched.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hftk import strategies, validate
+from hftk.config import load_config
+from hftk.data import check_raw, load_raw
+from hftk.errors import HftkError
+from hftk.modeling import load_model_config
+from hftk.run_types import PreparedRun
+
+EXIT_USAGE = 2
+
+
+def prepare(argv: list[str] | None = None) -> PreparedRun:
+    """Parse, validate and read what validation needs: config, model config, raw data."""
+    cfg = load_config(argv)
+    validate.check_config(cfg)
+    world_size = validate.launch_world_size()
+    model_config = load_model_config(cfg.model)
+    validate.check_model(cfg, model_config)
+    strategies.get(cfg.strategy.strategy).validate(cfg, world_size)
+    raw = load_raw(cfg.data)
+    data_format = check_raw(cfg.data, raw)
+    return PreparedRun(cfg=cfg, model_config=model_config, raw=raw, data_format=data_format, world_size=world_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``scripts/finetune.py`` and ``hftk train``."""
+    try:
+        prepared = prepare(argv)
+        from hftk.engine.trainer import train
+
+        train(prepared)
+    except HftkError as exc:
+        print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    return 0

@@ -1,0 +1,32 @@
+"""One module per strategy, each the single place that strategy lives.
+
+Every strategy module answers the same questions with plain functions (no base class):
+
+- ``validate(cfg, world_size)``: strategy-specific checks, before any process group.
+- ``training_arguments(cfg, model_config) -> dict``: extra ``TrainingArguments`` kwargs
+  (a DeepSpeed config, DDP options, ...).
+- ``prepare_model(model, cfg) -> model``: parallelism applied from outside the model code
+  before the Trainer sees it (identity for DDP and DeepSpeed, which the Trainer wraps).
+- ``verify(trainer)``: called at train begin; raise if the run is not really distributed
+  the way its name says (the field's silent fallbacks to DDP or to one process).
+- ``save_final(trainer, out_dir)``: write a complete, consolidated HF folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from hftk.errors import HftkError
+
+MODULES = {
+    "ddp": "hftk.strategies.ddp",
+}
+
+
+def get(name: str) -> ModuleType:
+    """The module implementing strategy ``name``."""
+    if name not in MODULES:
+        raise HftkError("strategy.strategy", f"'{name}' is not implemented yet.",
+                        f"use one of: {', '.join(MODULES)}.")
+    return importlib.import_module(MODULES[name])

@@ -1,0 +1,80 @@
+"""Every check that can fail on user input, run before any process group exists.
+
+Checks are ordered from cheapest (pure config) to those that read the model config or the
+raw dataset, so most mistakes are reported in well under a second.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hftk.config import RunConfig
+from hftk.errors import HftkError
+
+
+def launch_world_size() -> int:
+    """World size the launcher asked for (torchrun / accelerate set WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_config(cfg: RunConfig) -> None:
+    """Pure checks on option values and their combinations."""
+    t, d, m = cfg.training, cfg.data, cfg.model
+    positive = {
+        "training.per_device_train_batch_size": t.get("per_device_train_batch_size", 8),
+        "training.per_device_eval_batch_size": t.get("per_device_eval_batch_size", 8),
+        "training.gradient_accumulation_steps": t.get("gradient_accumulation_steps", 1),
+        "data.block_size": d.block_size,
+    }
+    for name, value in positive.items():
+        if not isinstance(value, int) or value <= 0:
+            raise HftkError(name, f"must be a positive integer, got {value!r}.", f"set {name} to 1 or more.")
+    if not t.get("learning_rate", 1.0) > 0:
+        raise HftkError("training.learning_rate", f"must be > 0, got {t.get('learning_rate')}.", "set e.g. 5e-4.")
+    if t.get("max_steps", -1) <= 0 and t.get("num_train_epochs", 1) <= 0:
+        raise HftkError("training.num_train_epochs", "must be > 0 when max_steps is not set.",
+                        "set training.num_train_epochs or training.max_steps.")
+    if not 0 <= d.eval_fraction < 1:
+        raise HftkError("data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}.", "use e.g. 0.05.")
+    if d.max_train_samples is not None and d.max_train_samples <= 0:
+        raise HftkError("data.max_train_samples", "must be positive.", "remove it or set a positive count.")
+    if m.lora_r < 0:
+        raise HftkError("model.lora_r", "must be >= 0.", "use 0 (full fine-tuning) or a rank like 8.")
+    if t.get("bf16") and t.get("fp16"):
+        raise HftkError("training.fp16", "bf16 and fp16 are both on.", "choose one mixed-precision mode.")
+    if t.get("fp16") and not torch.cuda.is_available():
+        raise HftkError("training.fp16", "fp16 needs a CUDA GPU (this machine has none).",
+                        "use training.bf16 on CPU, or no mixed precision.")
+    if t.get("hub_token"):
+        raise HftkError("training.hub_token", "tokens are never taken as options (they would be saved with the run).",
+                        "export HF_TOKEN or run `hf auth login`.")
+    if t.get("push_to_hub") and not t.get("hub_model_id"):
+        raise HftkError("training.hub_model_id", "push_to_hub needs a repository id.", "pass --hub_model_id user/name.")
+    _check_output_dir(cfg)
+
+
+def _check_output_dir(cfg: RunConfig) -> None:
+    """Never silently train over someone's earlier checkpoints."""
+    from hftk.checkpoint import list_checkpoints
+
+    resume = cfg.training.get("resume_from_checkpoint")
+    if resume and resume != "latest" and not Path(resume).is_dir():
+        raise HftkError("training.resume_from_checkpoint", f"'{resume}' is not a checkpoint folder.",
+                        "pass an existing checkpoint-N folder or 'latest'.")
+    if not resume and list_checkpoints(cfg.output_dir) and not cfg.training.get("overwrite_output_dir"):
+        raise HftkError("training.output_dir", f"{cfg.output_dir} already holds checkpoints of another run.",
+                        "pass --resume_from_checkpoint latest to continue it, or choose a new output_dir.")
+
+
+def check_model(cfg: RunConfig, model_config: Any) -> None:
+    """Checks that need the model's config (read without weights)."""
+    from hftk.modeling import context_length
+
+    limit = context_length(model_config)
+    if limit is not None and cfg.data.block_size > limit:
+        raise HftkError("data.block_size", f"{cfg.data.block_size} exceeds the model's context length {limit}.",
+                        f"set data.block_size to {limit} or less.")

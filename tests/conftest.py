@@ -1,0 +1,21 @@
+import os
+
+import pytest
+
+# Tests never reach a network: no Hub, no wandb cloud, no telemetry.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _builtin_models() -> None:
+    """Materialise the tiny built-in models once, before ranks race for them."""
+    from hftk.builtin import materialize_model
+
+    for name in ("builtin:gpt2-tiny",):
+        materialize_model(name)

@@ -1,0 +1,98 @@
+"""Shared test plumbing: launch hftk in 1..N processes under a hard timeout, read its metrics.
+
+Every multi-process launch runs in its own session and is killed as a process group when it
+overruns, so a hang fails the test instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+FINETUNE = ROOT / "scripts" / "finetune.py"
+
+# Small, deterministic, fast: tiny GPT-2, dropout off, constant LR, one loss per step.
+TINY_ARGS = [
+    "--model_name_or_path", "builtin:gpt2-tiny", "--model_dropout", "0",
+    "--block_size", "64", "--max_train_samples", "1500",
+    "--lr_scheduler_type", "constant", "--warmup_steps", "0", "--learning_rate", "1e-3",
+    "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no",
+    "--report_to", "none", "--disable_tqdm", "true", "--seed", "7",
+]
+
+
+@dataclass
+class Launch:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None) -> Launch:
+    """Run ``cmd`` in a new session; on timeout kill the whole process group and fail."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                            cwd=cwd or ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
+    return Launch(proc.returncode, out, err)
+
+
+def torchrun(nproc: int, script: Path | str, args: list[str], timeout: float = 300, nnodes: int = 1,
+             env: dict[str, str] | None = None, extra: list[str] | None = None) -> Launch:
+    """``python -m torch.distributed.run`` on loopback; nproc == 1 runs the script directly."""
+    if nproc == 1 and nnodes == 1 and not extra:
+        return run([sys.executable, str(script), *args], timeout, env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", *(extra or []), str(script), *args]
+    return run(cmd, timeout, env)
+
+
+def finetune(nproc: int, args: list[str], timeout: float = 300, env: dict[str, str] | None = None) -> Launch:
+    """Run scripts/finetune.py with the tiny defaults plus ``args``; assert it succeeded."""
+    result = torchrun(nproc, FINETUNE, [*TINY_ARGS, *args], timeout=timeout, env=env)
+    assert result.returncode == 0, f"finetune failed ({result.returncode}):\n{result.output[-6000:]}"
+    return result
+
+
+def metrics(output_dir: Path) -> list[dict[str, Any]]:
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    """Per-step training loss from the metrics file."""
+    return {m["step"]: m["loss"] for m in metrics(output_dir) if "loss" in m}
+
+
+def load_weights(folder: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def max_weight_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    assert a.keys() == b.keys(), f"different tensors: {sorted(set(a) ^ set(b))}"
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
