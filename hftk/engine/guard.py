@@ -32,9 +32,9 @@ def check_world(training_world_size: int) -> None:
 class WorldGuard(TrainerCallback):
     """Re-checks the world and runs the strategy's ``verify`` once the Trainer has wrapped the model."""
 
-    def __init__(self, verify: Callable[[Any], None]) -> None:
+    def __init__(self, verify: Callable[[Any], None], trainer: Any) -> None:
         self.verify = verify
-        self.trainer: Any = None  # set by the engine after the Trainer exists
+        self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         check_world(args.world_size)

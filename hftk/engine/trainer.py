@@ -65,6 +65,21 @@ def _netrc_text() -> str:
     return path.read_text() if path.exists() else ""
 
 
+def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[Any]:
+    """Every hftk callback of a Trainer run, in order (each feature adds its own here)."""
+    cfg, args = prepared.cfg, trainer.args
+    samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    metrics_cb = MetricsCallback(cfg.output_dir / cfg.tracking.metrics_file,
+                                 tokens_per_step=samples_per_step * cfg.data.block_size,
+                                 samples_per_step=samples_per_step)
+    # First in line so tensorboard / wandb see the throughput and perplexity it adds to each log.
+    trainer.callback_handler.callbacks.insert(0, metrics_cb)
+    callbacks: list[Any] = [WorldGuard(strategy.verify, trainer)]
+    if cfg.tracking.check_sync_steps > 0:
+        callbacks.append(SyncCheckCallback(cfg.tracking.check_sync_steps, metrics_cb.metrics_path))
+    return callbacks
+
+
 def train(prepared: PreparedRun) -> dict[str, float]:
     """Run the Trainer for a prepared (validated) config; returns the final metrics."""
     from transformers import Trainer, default_data_collator
@@ -82,20 +97,12 @@ def train(prepared: PreparedRun) -> dict[str, float]:
                         "raise data.eval_fraction, lower data.block_size, or set data.eval_fraction to 0.")
     model = strategy.prepare_model(load_model(cfg.model), cfg)
 
-    samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    guard = WorldGuard(strategy.verify)
-    metrics_cb = MetricsCallback(cfg.output_dir / cfg.tracking.metrics_file,
-                                 tokens_per_step=samples_per_step * cfg.data.block_size,
-                                 samples_per_step=samples_per_step)
     trainer = Trainer(
         model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
-        data_collator=default_data_collator, processing_class=tokenizer, callbacks=[guard],
+        data_collator=default_data_collator, processing_class=tokenizer,
     )
-    # First in line so tensorboard / wandb see the throughput and perplexity it adds to each log.
-    trainer.callback_handler.callbacks.insert(0, metrics_cb)
-    if cfg.tracking.check_sync_steps > 0:
-        trainer.add_callback(SyncCheckCallback(cfg.tracking.check_sync_steps, metrics_cb.metrics_path))
-    guard.trainer = trainer
+    for callback in run_callbacks(prepared, trainer, strategy):
+        trainer.add_callback(callback)
 
     resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))
     result = trainer.train(resume_from_checkpoint=resume)
