@@ -1,0 +1,85 @@
+"""Where the parts of a decoder-only HF model live, read from the model's own structure.
+
+Strategies need the same few answers (the decoder-layer class to wrap or shard, the list of
+blocks to split into stages, the embeddings / final norm / LM head): this module is the one
+place that knows each family's attribute names, so model code stays untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+from hftk.errors import HftkError
+
+# model_type -> (backbone attribute, blocks, token embedding, position embedding, final norm)
+FAMILIES: dict[str, tuple[str, str, str, str | None, str]] = {
+    "gpt2": ("transformer", "h", "wte", "wpe", "ln_f"),
+    "gpt_neox": ("gpt_neox", "layers", "embed_in", None, "final_layer_norm"),
+    "llama": ("model", "layers", "embed_tokens", None, "norm"),
+    "mistral": ("model", "layers", "embed_tokens", None, "norm"),
+    "qwen2": ("model", "layers", "embed_tokens", None, "norm"),
+}
+
+
+@dataclass
+class DecoderLayout:
+    """Handles on one causal-LM's parts (all still owned by the model)."""
+
+    family: str
+    backbone: nn.Module
+    blocks: nn.ModuleList
+    token_embedding: nn.Embedding
+    position_embedding: nn.Embedding | None
+    final_norm: nn.Module
+    lm_head: nn.Module
+    tied: bool  # input embedding and LM head share one weight
+
+    @property
+    def block_class(self) -> type[nn.Module]:
+        return type(self.blocks[0])
+
+
+def supported_families() -> str:
+    return ", ".join(sorted(FAMILIES))
+
+
+def layout(model: nn.Module) -> DecoderLayout:
+    """The :class:`DecoderLayout` of a GPT-2 / GPT-NeoX / Llama / Mistral / Qwen2 causal LM."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in FAMILIES:
+        raise HftkError("model.model_name_or_path", f"architecture '{model_type}' has no known decoder layout.",
+                        f"use a model of a supported family ({supported_families()}).")
+    backbone_name, blocks, tok, pos, norm = FAMILIES[model_type]
+    backbone = getattr(model, backbone_name)
+    lm_head = model.get_output_embeddings()
+    token_embedding = getattr(backbone, tok)
+    return DecoderLayout(
+        family=model_type,
+        backbone=backbone,
+        blocks=getattr(backbone, blocks),
+        token_embedding=token_embedding,
+        position_embedding=getattr(backbone, pos) if pos else None,
+        final_norm=getattr(backbone, norm),
+        lm_head=lm_head,
+        tied=lm_head is not None and lm_head.weight is token_embedding.weight,
+    )
+
+
+def decoder_block_class(model: nn.Module) -> type[nn.Module]:
+    """The class of one decoder block: the FSDP wrap unit and the pipeline split unit.
+
+    Known families use :func:`layout`; any other HF model falls back to its own
+    ``_no_split_modules`` declaration, which names exactly that class.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in FAMILIES:
+        return layout(model).block_class
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in names:
+            return type(module)
+    raise HftkError("model.model_name_or_path", f"cannot find the decoder-layer class of '{model_type}'.",
+                    f"use a model of a supported family ({supported_families()}).")
