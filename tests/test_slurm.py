@@ -1,0 +1,61 @@
+"""The SLURM batch script: valid bash, and a dry run with a faked SLURM environment prints the right per-node launches."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+SCRIPT = ROOT / "scripts" / "slurm" / "finetune.sbatch"
+
+
+def _dry_run(tmp_path: Path, strategy: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    scontrol = fake / "scontrol"
+    scontrol.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "gpu-node-07\\ngpu-node-08\\ngpu-node-09\\n"\n')
+    scontrol.chmod(0o755)
+    slurm = {"SLURM_SUBMIT_DIR": str(ROOT), "SLURM_NNODES": "3", "SLURM_JOB_ID": "4242",
+             "SLURM_JOB_NODELIST": "gpu-node-[07-09]", "SLURM_GPUS_ON_NODE": "8", "HFTK_DRY_RUN": "1"}
+    full_env = {**os.environ, **slurm, **env, "PATH": f"{fake}:{os.environ['PATH']}"}
+    return subprocess.run(["bash", str(SCRIPT), strategy, *args], capture_output=True, text=True, env=full_env,
+                          timeout=60)
+
+
+def test_script_is_valid_bash():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
+
+
+def test_dry_run_prints_one_launch_per_node(tmp_path):
+    result = _dry_run(tmp_path, "ddp", "--block_size", "256", "--dataset", "my data.jsonl")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["node 0", "node 1", "node 2"]
+    for rank, line in enumerate(lines):
+        argv = shlex.split(line.split(": ", 1)[1].split("&& exec ", 1)[1])
+        opt = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+        assert argv[0].endswith("/accelerate") and argv[1] == "launch"
+        assert opt["--config_file"].endswith("accelerate_configs/ddp.yaml")
+        assert opt["--num_machines"] == "3" and opt["--num_processes"] == "24"  # 3 nodes x 8 GPUs
+        assert opt["--machine_rank"] == str(rank)
+        assert opt["--main_process_ip"] == "gpu-node-07"  # first host of the allocation
+        assert opt["--rdzv_backend"] == "c10d" and "join_timeout" in opt["--rdzv_conf"]
+        assert opt["--strategy"] == "ddp" and opt["--resume_from_checkpoint"] == "latest"
+        assert argv[-2:] == ["--dataset", "my data.jsonl"]  # user options survive quoting
+        assert "PET_RDZV_ID=hftk-4242" in line  # the rendezvous id is the job id
+
+
+def test_procs_per_node_override_and_unknown_strategy(tmp_path):
+    result = _dry_run(tmp_path, "ddp", PROCS_PER_NODE="2")
+    assert result.returncode == 0 and "--num_processes 6 " in result.stdout
+    bad = _dry_run(tmp_path, "zero9")
+    assert bad.returncode == 2 and "no launch config" in bad.stderr
+
+
+def test_outside_slurm_is_a_clear_error(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(["bash", str(SCRIPT), "ddp"], capture_output=True, text=True, env=env, timeout=30)
+    assert result.returncode != 0 and "not inside a SLURM allocation" in result.stderr
