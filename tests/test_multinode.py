@@ -1,0 +1,59 @@
+"""Two hosts (network namespaces joined by veth when root, else loopback): multi-node runs
+equal a single-node run with the same global batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.helpers import FINETUNE, TINY_ARGS, finetune, free_port, losses, metrics
+from tests.netns import node_command, two_hosts
+
+pytestmark = pytest.mark.slow
+STEPS = 5
+GLOBAL_BATCH = 8
+
+
+def run_two_nodes(out, nproc: int, args: list[str], timeout: float = 420) -> None:
+    """One torchrun per host, both writing to one output dir (a shared file system)."""
+    with two_hosts() as (a, b):
+        port = free_port()
+        per_rank = GLOBAL_BATCH // (2 * nproc)
+        full = [*TINY_ARGS, "--max_steps", str(STEPS), "--output_dir", str(out), "--check_sync_steps", "1",
+                "--per_device_train_batch_size", str(per_rank), *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        procs = [subprocess.Popen(node_command(host, a, rank, 2, nproc, port, FINETUNE, full), env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                 for rank, host in enumerate((a, b))]
+        outputs = []
+        try:
+            for proc in procs:
+                outputs.append(proc.communicate(timeout=timeout)[0])
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, 9)
+        for proc, text in zip(procs, outputs):
+            assert proc.returncode == 0, text[-5000:]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multinode")
+    finetune(1, ["--max_steps", str(STEPS), "--output_dir", str(root / "single"),
+                 "--per_device_train_batch_size", str(GLOBAL_BATCH)])
+    run_two_nodes(root / "2x1", 1, [])
+    run_two_nodes(root / "2x2", 2, [])
+    return root
+
+
+@pytest.mark.parametrize("layout,world", [("2x1", 2), ("2x2", 4)])
+def test_ddp_two_nodes_match_single_node(ddp_runs, layout, world):
+    ref, got = losses(ddp_runs / "single"), losses(ddp_runs / layout)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-5), (layout, step)
+    sync = [m for m in metrics(ddp_runs / layout) if "ranks_in_sync" in m]
+    assert len(sync) == STEPS and all(m["ranks_in_sync"] and len(m["param_digests"]) == world for m in sync)
