@@ -54,6 +54,7 @@ def _neox() -> Any:
 
 MODELS: dict[str, Callable[[], Any]] = {
     "gpt2-tiny": _gpt2(n_layer=2, n_embd=64, n_head=4, n_positions=256),
+    "gpt2-tiny4": _gpt2(n_layer=4, n_embd=64, n_head=4, n_positions=256),  # enough blocks for 2 ranks x 2 virtual stages
     "gpt2-small": _gpt2(n_layer=4, n_embd=256, n_head=4, n_positions=256),
     "gpt2-90m": _gpt2(n_layer=12, n_embd=768, n_head=12, n_positions=1024),
     "llama-tiny": _llama,

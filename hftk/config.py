@@ -46,7 +46,7 @@ class ModelConfig:
 
     model_name_or_path: str = _opt(
         DEFAULT_MODEL,
-        "Hub id, local folder, or 'builtin:NAME' (gpt2-tiny, gpt2-small, gpt2-90m, llama-tiny, "
+        "Hub id, local folder, or 'builtin:NAME' (gpt2-tiny, gpt2-tiny4, gpt2-small, gpt2-90m, llama-tiny, "
         "neox-tiny), a small model created locally and loaded through from_pretrained.",
     )
     model_revision: str = _opt("main", "Hub revision (branch, tag or commit) of the model.")

@@ -22,6 +22,8 @@ FAMILIES: dict[str, tuple[str, str, str, str | None, str]] = {
     "mistral": ("model", "layers", "embed_tokens", None, "norm"),
     "qwen2": ("model", "layers", "embed_tokens", None, "norm"),
 }
+# Dropout applied to the embeddings before the first block (families without one: none).
+EMBEDDING_DROPOUT = {"gpt2": "drop", "gpt_neox": "emb_dropout"}
 
 
 @dataclass
@@ -36,6 +38,8 @@ class DecoderLayout:
     final_norm: nn.Module
     lm_head: nn.Module
     tied: bool  # input embedding and LM head share one weight
+    embedding_dropout: nn.Module | None = None
+    rotary: nn.Module | None = None  # the backbone's rotary-embedding module (Llama / NeoX families)
 
     @property
     def block_class(self) -> type[nn.Module]:
@@ -65,6 +69,8 @@ def layout(model: nn.Module) -> DecoderLayout:
         final_norm=getattr(backbone, norm),
         lm_head=lm_head,
         tied=lm_head is not None and lm_head.weight is token_embedding.weight,
+        embedding_dropout=getattr(backbone, EMBEDDING_DROPOUT[model_type]) if model_type in EMBEDDING_DROPOUT else None,
+        rotary=getattr(backbone, "rotary_emb", None),
     )
 
 
