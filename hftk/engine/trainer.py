@@ -15,6 +15,8 @@ import torch
 
 from hftk import strategies
 from hftk.checkpoint import resolve_resume
+from hftk.comm.callback import CompressionCallback
+from hftk.comm.register import is_active as comm_active
 from hftk.data import tokenize_and_pack
 from hftk.engine.guard import WorldGuard, check_world
 from hftk.errors import HftkError
@@ -74,6 +76,10 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
                                  samples_per_step=samples_per_step)
     # First in line so tensorboard / wandb see the throughput and perplexity it adds to each log.
     trainer.callback_handler.callbacks.insert(0, metrics_cb)
+    if comm_active(cfg.strategy):
+        # Ahead of the metrics callback, so the byte counters it adds to each log reach metrics.jsonl.
+        resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))
+        trainer.callback_handler.callbacks.insert(0, CompressionCallback(trainer, cfg.strategy, resume))
     callbacks: list[Any] = [WorldGuard(strategy.verify, trainer)]
     if cfg.tracking.check_sync_steps > 0:
         callbacks.append(SyncCheckCallback(cfg.tracking.check_sync_steps, metrics_cb.metrics_path))
@@ -97,7 +103,9 @@ def train(prepared: PreparedRun) -> dict[str, float]:
                         "raise data.eval_fraction, lower data.block_size, or set data.eval_fraction to 0.")
     model = strategy.prepare_model(load_model(cfg.model), cfg)
 
-    trainer = Trainer(
+    # A strategy that owns its model/optimizer I/O (FSDP2 shards) supplies its own Trainer.
+    make_trainer = strategy.trainer_factory(cfg) if hasattr(strategy, "trainer_factory") else Trainer
+    trainer = make_trainer(
         model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
         data_collator=default_data_collator, processing_class=tokenizer,
     )
@@ -107,8 +115,9 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))
     result = trainer.train(resume_from_checkpoint=resume)
     metrics = dict(result.metrics)
-    if data.eval is not None:
-        metrics.update(trainer.evaluate())
+    step = trainer.state.global_step
+    if data.eval is not None and not any("eval_loss" in h and h.get("step") == step for h in trainer.state.log_history):
+        metrics.update(trainer.evaluate())  # the Trainer did not evaluate the final weights itself
     strategy.save_final(trainer, cfg.output_dir / FINAL_DIR)
     # Tear the process group down ourselves: gloo aborts ("terminate called without an active
     # exception") when the interpreter exits with it still alive.

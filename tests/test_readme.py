@@ -1,0 +1,50 @@
+"""The README's main command, as written (output folder aside): 2 processes, loss falls, checkpoint + metrics."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from tests.helpers import ROOT, metrics, run
+
+pytestmark = pytest.mark.slow
+
+
+def readme_commands() -> list[str]:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index("```bash")
+    return lines[start + 1:start + 3]
+
+
+def test_readme_opens_with_setup_and_test_commands():
+    main, tests = readme_commands()
+    assert main.startswith("bash scripts/setup.sh && ") and "scripts/finetune.py" in main
+    assert tests.startswith("bash scripts/setup.sh && ") and "pytest" in tests
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert tests in ci, ".ci/run must run the README's test command"
+
+
+def test_readme_main_command_trains_two_ranks(tmp_path):
+    main, _ = readme_commands()
+    argv = shlex.split(main.split(" && ", 1)[1])
+    argv[argv.index("--output_dir") + 1] = str(tmp_path / "default")
+    argv[0] = str(ROOT / argv[0])  # .venv/bin/accelerate
+    result = run(argv, timeout=600)
+    assert result.returncode == 0, result.output[-5000:]
+    out = tmp_path / "default"
+    logged = metrics(out)
+    train_losses = [m["loss"] for m in logged if "loss" in m]
+    assert train_losses[-1] < train_losses[0] - 1.0  # it learns the corpus
+    assert any("eval_perplexity" in m for m in logged)
+    assert sorted(out.glob("checkpoint-*")) and (out / "final" / "model.safetensors").exists()
+    # two ranks really split the data: 2 epochs took blocks / (2 ranks x 8) steps each
+    from hftk.config import load_config
+    from hftk.data import check_raw, load_raw, tokenize_and_pack
+    from hftk.modeling import load_tokenizer
+
+    cfg = load_config([])
+    raw = load_raw(cfg.data)
+    blocks = len(tokenize_and_pack(cfg.data, raw, load_tokenizer(cfg.model), check_raw(cfg.data, raw), 42).train)
+    final_step = max(m["step"] for m in logged)
+    assert final_step == 2 * -(-blocks // 16), (final_step, blocks)
