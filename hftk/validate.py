@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hftk.comm.register import validate as check_compression
 from hftk.config import RunConfig
 from hftk.errors import HftkError
 
@@ -54,18 +55,44 @@ def check_config(cfg: RunConfig) -> None:
                         "export HF_TOKEN or run `hf auth login`.")
     if t.get("push_to_hub") and not t.get("hub_model_id"):
         raise HftkError("training.hub_model_id", "push_to_hub needs a repository id.", "pass --hub_model_id user/name.")
+    if t.get("push_to_hub"):
+        from hftk.hub import check_can_push
+
+        check_can_push("training.push_to_hub")
+    if cfg.hub.hub_upload_retries < 1:
+        raise HftkError("hub.hub_upload_retries", "must be at least 1.", "set it to 1 or more (default 5).")
+    check_compression(cfg.strategy, launch_world_size(), dict(os.environ))
+    _check_parallel_degrees(cfg)
     _check_output_dir(cfg)
+
+
+def _check_parallel_degrees(cfg: RunConfig) -> None:
+    """A tensor/sequence/context-parallel degree only means something to the strategy that applies it."""
+    s = cfg.strategy
+    if s.cp_size > 1:
+        if not torch.cuda.is_available():
+            raise HftkError("strategy.cp_size", "context parallel needs GPU attention kernels: torch's ring attention "
+                            "is registered only for the flash / efficient / cuDNN SDPA kernels, not the CPU one.",
+                            "split long sequences with strategy sp (DeepSpeed Ulysses, runs on CPU), or set cp_size 1.")
+        raise HftkError("strategy.cp_size", "context parallel (torch ring attention) is not supported by hftk yet.",
+                        "split long sequences with strategy sp (DeepSpeed Ulysses), or set cp_size 1.")
+    for name, owner in (("tp_size", "tp"), ("dp_replicate_size", "tp"), ("sp_size", "sp")):
+        if getattr(s, name) != 1 and s.strategy != owner:
+            raise HftkError(f"strategy.{name}", f"is {getattr(s, name)} but strategy {s.strategy} does not use it.",
+                            f"pass --strategy {owner}, or leave {name} at 1.")
 
 
 def _check_output_dir(cfg: RunConfig) -> None:
     """Never silently train over someone's earlier checkpoints."""
-    from hftk.checkpoint import list_checkpoints
+    from hftk.checkpoint import restart_count
 
     resume = cfg.training.get("resume_from_checkpoint")
     if resume and resume != "latest" and not Path(resume).is_dir():
         raise HftkError("training.resume_from_checkpoint", f"'{resume}' is not a checkpoint folder.",
                         "pass an existing checkpoint-N folder or 'latest'.")
-    if not resume and list_checkpoints(cfg.output_dir) and not cfg.training.get("overwrite_output_dir"):
+    restarted = restart_count() > 0  # an elastic restart resumes its own checkpoints (checkpoint.resolve_resume)
+    earlier = any(Path(cfg.output_dir).glob("checkpoint-*"))  # complete or not: either is someone's work
+    if not resume and not restarted and earlier and not cfg.training.get("overwrite_output_dir"):
         raise HftkError("training.output_dir", f"{cfg.output_dir} already holds checkpoints of another run.",
                         "pass --resume_from_checkpoint latest to continue it, or choose a new output_dir.")
 

@@ -47,18 +47,37 @@ CASES = [
 ]
 
 
+def _one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip() and "Setting accelerator" not in line]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
 @pytest.mark.parametrize("case_id,args,field", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_one_clear_line(case_id, args, field, tiny_files):
+def test_bad_input_is_one_clear_line(case_id, args, field, tiny_files, capsys):
+    """In-process (fast): exit code 2, one line naming the field and the fix, no process group, no output dir."""
+    import torch.distributed as dist
+
+    from hftk.run import main
+
     out = tiny_files / "out"
     args = [a.replace("{tmp}", str(tiny_files)) for a in args]
-    result = run([sys.executable, str(FINETUNE), "--output_dir", str(out), *args], timeout=120)
-    assert result.returncode == 2, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip() and "Setting accelerator" not in line]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("hftk: error: ") and field in lines[0], lines[0]
-    assert "Fix:" in lines[0] or "see" in lines[0]
-    assert "Traceback" not in result.output
+    assert main(["--output_dir", str(out), *args]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("hftk: error: ") and field in line, line
+    assert "Fix:" in line
+    assert not dist.is_initialized(), "validation must finish before any process group starts"
     assert not out.exists(), "a failed validation must not create or touch the output folder"
+
+
+@pytest.mark.parametrize("args,field", [(["--blok_size", "64"], "--blok_size"),
+                                        (["--block_size", "4096"], "data.block_size")])
+def test_bad_input_through_the_script(args, field, tmp_path):
+    """The real entry point: exit status 2, a single line, no traceback."""
+    result = run([sys.executable, str(FINETUNE), "--output_dir", str(tmp_path / "out"), *args], timeout=120)
+    assert result.returncode == 2, result.output
+    assert field in _one_error_line(result.stderr)
+    assert "Traceback" not in result.output
 
 
 def test_existing_checkpoints_are_never_overwritten(tmp_path):
