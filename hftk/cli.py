@@ -15,9 +15,16 @@ def _train(rest: list[str]) -> int:
     return main(rest)
 
 
+def _bench(rest: list[str]) -> int:
+    from hftk.bench.cli import bench_command
+
+    return bench_command(rest)
+
+
 # name -> (help, handler taking the remaining argv). Each handler parses its own options.
 COMMANDS = {
     "train": ("Fine-tune in this process, or under a launcher (same options as scripts/finetune.py).", _train),
+    "bench": ("Measure scaling, memory, communication, pipeline, batch size and overhead; one report folder.", _bench),
 }
 
 

@@ -138,9 +138,16 @@ class TrackingConfig:
 
     metrics_file: str = _opt("metrics.jsonl", "JSON-lines metrics file, relative to training.output_dir.")
     wandb_project: str = _opt("hftk", "wandb project (wandb runs offline when no API key is configured).")
-    imbalance_warn_threshold: float = _opt(0.2, "Warn when the slowest rank's step time exceeds the fastest's by this fraction.")
+    imbalance_warn_threshold: float = _opt(
+        0.2, "Warn when the slowest rank's compute time per step (forward start to last gradient) exceeds the "
+        "fastest's by this fraction."
+    )
     check_sync_steps: int = _opt(
         0, "Every N optimizer steps, hash each rank's replicated parameters and log whether all ranks agree (0: off)."
+    )
+    comm_profile_steps: int = _opt(
+        50, "Profile step 3 and then every N-th optimizer step with torch.profiler to log the communication share "
+        "of the step (0: off)."
     )
 
 

@@ -21,12 +21,19 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 
 class MetricsCallback(TrainerCallback):
-    """Adds throughput and perplexity to every log and appends it to ``metrics_file`` on rank 0."""
+    """Adds throughput and perplexity to every log and appends it to ``metrics_file`` on rank 0.
 
-    def __init__(self, metrics_path: Path, tokens_per_step: int, samples_per_step: int) -> None:
+    ``flops_per_step`` (all ranks) and ``peak_flops`` (sum of the devices' peaks) add MFU; they
+    are None on CPU, where no meaningful peak exists.
+    """
+
+    def __init__(self, metrics_path: Path, tokens_per_step: int, samples_per_step: int,
+                 flops_per_step: float | None = None, peak_flops: float | None = None) -> None:
         self.metrics_path = metrics_path
         self.tokens_per_step = tokens_per_step
         self.samples_per_step = samples_per_step
+        self.flops_per_step = flops_per_step
+        self.peak_flops = peak_flops
         self._step_start = 0.0
         self._window_time = 0.0
         self._window_steps = 0
@@ -46,6 +53,8 @@ class MetricsCallback(TrainerCallback):
             logs["step_time_s"] = step_time
             logs["tokens_per_s"] = self.tokens_per_step / step_time
             logs["samples_per_s"] = self.samples_per_step / step_time
+            if self.flops_per_step and self.peak_flops:
+                logs["mfu"] = self.flops_per_step / step_time / self.peak_flops
             self._window_time, self._window_steps = 0.0, 0
         if "eval_loss" in logs:
             logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 50.0))

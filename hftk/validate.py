@@ -43,6 +43,12 @@ def check_config(cfg: RunConfig) -> None:
         raise HftkError("data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}.", "use e.g. 0.05.")
     if d.max_train_samples is not None and d.max_train_samples <= 0:
         raise HftkError("data.max_train_samples", "must be positive.", "remove it or set a positive count.")
+    if cfg.tracking.comm_profile_steps < 0:
+        raise HftkError("tracking.comm_profile_steps", f"must be >= 0, got {cfg.tracking.comm_profile_steps}.",
+                        "use 0 (no profiling) or N to profile every N-th step.")
+    if not cfg.tracking.imbalance_warn_threshold > 0:
+        raise HftkError("tracking.imbalance_warn_threshold", f"must be > 0, got {cfg.tracking.imbalance_warn_threshold}.",
+                        "use e.g. 0.2 (warn when the slowest rank computes 20 % longer than the fastest).")
     if m.lora_r < 0:
         raise HftkError("model.lora_r", "must be >= 0.", "use 0 (full fine-tuning) or a rank like 8.")
     if t.get("bf16") and t.get("fp16"):

@@ -22,6 +22,7 @@ from hftk.engine.guard import WorldGuard, check_world
 from hftk.errors import HftkError
 from hftk.modeling import load_model, load_tokenizer
 from hftk.monitor import MetricsCallback, SyncCheckCallback
+from hftk.telemetry import RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops, flops_per_token
 from hftk.run_types import PreparedRun
 
 FINAL_DIR = "final"
@@ -71,11 +72,17 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
     """Every hftk callback of a Trainer run, in order (each feature adds its own here)."""
     cfg, args = prepared.cfg, trainer.args
     samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    metrics_cb = MetricsCallback(cfg.output_dir / cfg.tracking.metrics_file,
-                                 tokens_per_step=samples_per_step * cfg.data.block_size,
-                                 samples_per_step=samples_per_step)
+    tokens_per_step = samples_per_step * cfg.data.block_size
+    peak = device_peak_flops(args.device, compute_dtype(args.bf16, args.fp16))
+    metrics_cb = MetricsCallback(cfg.output_dir / cfg.tracking.metrics_file, tokens_per_step=tokens_per_step,
+                                 samples_per_step=samples_per_step,
+                                 flops_per_step=tokens_per_step * flops_per_token(trainer.model, cfg.data.block_size),
+                                 peak_flops=peak * args.world_size if peak else None)
     # First in line so tensorboard / wandb see the throughput and perplexity it adds to each log.
     trainer.callback_handler.callbacks.insert(0, metrics_cb)
+    # Ahead of it: per-rank memory, comm share and imbalance join the same log line.
+    monitor = RankMonitor(args.device, cfg.tracking.imbalance_warn_threshold, cfg.tracking.comm_profile_steps)
+    trainer.callback_handler.callbacks.insert(0, RankMonitorCallback(monitor, metrics_cb.metrics_path))
     if comm_active(cfg.strategy):
         # Ahead of the metrics callback, so the byte counters it adds to each log reach metrics.jsonl.
         resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))
@@ -86,8 +93,11 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
     return callbacks
 
 
-def train(prepared: PreparedRun) -> dict[str, float]:
-    """Run the Trainer for a prepared (validated) config; returns the final metrics."""
+def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
+    """Everything up to a ready Trainer: (trainer, strategy module, tokenised data).
+
+    ``hftk bench`` builds several Trainers in one process group with it (no final save, no teardown).
+    """
     from transformers import Trainer, default_data_collator
 
     cfg = prepared.cfg
@@ -111,7 +121,13 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     )
     for callback in run_callbacks(prepared, trainer, strategy):
         trainer.add_callback(callback)
+    return trainer, strategy, data
 
+
+def train(prepared: PreparedRun) -> dict[str, float]:
+    """Run the Trainer for a prepared (validated) config; returns the final metrics."""
+    cfg = prepared.cfg
+    trainer, strategy, data = build_trainer(prepared)
     resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))
     result = trainer.train(resume_from_checkpoint=resume)
     metrics = dict(result.metrics)

@@ -1,0 +1,117 @@
+"""Launching bench workers: torchrun on loopback, a hard timeout, the machine's load recorded.
+
+Every launch runs in its own session and is killed as a process group when it overruns, so a
+hung collective costs one timeout, not the whole bench. Each rank gets ``threads`` intra-op
+threads; by default the cores are split evenly among the most processes any bench launches,
+so a 1-process and a 2-process run use the same per-rank compute (what scaling compares).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Small built-in model and short blocks: a bench that finishes in minutes on a 2-core CPU.
+DEFAULT_MODEL = "builtin:gpt2-small"
+# hftk train options every bench run shares: no eval, no checkpoints, no trackers, one log per step.
+BENCH_TRAIN_ARGS = [
+    "--eval_fraction", "0", "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none",
+    "--disable_tqdm", "true", "--logging_steps", "1", "--lr_scheduler_type", "constant", "--warmup_steps", "0",
+    "--optim", "adamw_torch_fused",
+]
+# glibc keeps freed heap resident; these make RSS follow what is really in use (field notes).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+@dataclass
+class Machine:
+    """What the figures depend on; recorded with every report."""
+
+    device: str
+    device_count: int
+    cpu_count: int
+    torch: str
+    loadavg_start: list[float] = field(default_factory=lambda: list(os.getloadavg()))
+
+    @classmethod
+    def here(cls) -> Machine:
+        cuda = torch.cuda.is_available()
+        device = torch.cuda.get_device_name(0) if cuda else "cpu"
+        return cls(device=device, device_count=torch.cuda.device_count() if cuda else 0,
+                   cpu_count=os.cpu_count() or 1, torch=torch.__version__)
+
+
+def max_processes() -> int:
+    """One process per GPU; on CPU one per core."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
+
+
+def threads_per_rank(most_processes: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, most_processes))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LaunchResult:
+    ranks: list[dict[str, Any]]
+    wall_s: float
+    loadavg_before: list[float]
+    loadavg_after: list[float]
+
+
+def torchrun_module(nproc: int, module: str, args: list[str], work_dir: Path, timeout: float, threads: int,
+                    env: dict[str, str] | None = None) -> float:
+    """``python -m torch.distributed.run ... -m MODULE ARGS`` on loopback, logged to ``work_dir/log.txt``.
+
+    Returns the wall time; raises RuntimeError with the log's tail on failure or after ``timeout``.
+    """
+    work_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", module, *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
+    log_path = work_dir / "log.txt"
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"bench launch timed out after {timeout:.0f}s ({work_dir}):\n{_tail(log_path)}") from None
+    if code != 0:
+        raise RuntimeError(f"bench launch failed with exit code {code} ({work_dir}):\n{_tail(log_path)}")
+    return time.perf_counter() - start
+
+
+def run_workers(nproc: int, spec: dict[str, Any], work_dir: Path, timeout: float, threads: int,
+                env: dict[str, str] | None = None) -> LaunchResult:
+    """Run :mod:`hftk.bench.worker` on ``nproc`` ranks with ``spec``; return every rank's JSON."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "out": str(work_dir / "ranks")}
+    spec_path = work_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    before = list(os.getloadavg())
+    wall = torchrun_module(nproc, "hftk.bench.worker", [str(spec_path)], work_dir, timeout, threads, env)
+    ranks = [json.loads((work_dir / "ranks" / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return LaunchResult(ranks=ranks, wall_s=wall, loadavg_before=before, loadavg_after=list(os.getloadavg()))
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

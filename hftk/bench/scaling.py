@@ -1,0 +1,137 @@
+"""``hftk bench scaling``: throughput at 1..N processes, scaling efficiency, time to a target loss.
+
+Weak scaling: every rank keeps the same micro-batch, so N processes see N times the samples per
+step; efficiency(N) = throughput(N) / (N * throughput(1)). Each process count is launched
+``repeats`` times, the counts interleaved (1 2 ... N, then N ... 1) so that load drifting on a
+shared machine hits all of them alike; each launch is timed as the median of ``steps`` optimizer
+steps after ``warmup``. Time to the target loss counts every step from the first, warm-up included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hftk.bench.charts import errorbar, figure, fmt_spread, save
+from hftk.bench.launch import BENCH_TRAIN_ARGS, DEFAULT_MODEL, max_processes, run_workers, threads_per_rank
+from hftk.bench.stats import median_of, spread, timed_steps
+
+OPTION_HELP = {
+    "nprocs": "comma-separated process counts (default 1, 2, 4, ... up to one per GPU, or per core on CPU)",
+    "strategy": "parallelism to scale (hftk train --strategy)",
+    "model": "model to train (hftk train --model_name_or_path)",
+    "block_size": "tokens per sequence",
+    "micro_batch": "sequences per rank per step (weak scaling: fixed per rank)",
+    "learning_rate": "constant learning rate",
+    "warmup": "untimed steps at the start of each launch (>= 3 keeps the profiled step 3 out of the timing)",
+    "steps": "timed steps per launch (their median is the launch's step time)",
+    "repeats": "launches per process count",
+    "target_loss": "training loss whose first crossing sets the time to target",
+    "timeout": "seconds before a launch is killed",
+}
+
+
+def default_nprocs() -> list[int]:
+    """1, 2, 4, ... up to the machine's processes (and that count itself)."""
+    top = max_processes()
+    counts = [1]
+    while counts[-1] * 2 <= top:
+        counts.append(counts[-1] * 2)
+    return counts if counts[-1] == top else [*counts, top]
+
+
+def time_to_target(ranks: list[dict[str, Any]], target: float) -> tuple[float | None, int | None]:
+    """Seconds and steps from the start until the logged loss first reaches ``target``."""
+    elapsed = 0.0
+    for i, step in enumerate(ranks[0]["steps"]):
+        elapsed += max(r["steps"][i]["wall_s"] for r in ranks)
+        if step["loss"] <= target:
+            return elapsed, i + 1
+    return None, None
+
+
+def run_scaling_bench(out_dir: Path, nprocs: list[int] | None = None, strategy: str = "ddp",
+                      model: str = DEFAULT_MODEL, block_size: int = 128, micro_batch: int = 8,
+                      learning_rate: float = 1e-3, warmup: int = 3, steps: int = 20, repeats: int = 3,
+                      target_loss: float = 6.0, train_args: list[str] | None = None,
+                      timeout: float = 600) -> dict[str, Any]:
+    """Launch the Trainer at each process count ``repeats`` times; return the measured figures."""
+    out_dir = Path(out_dir)
+    nprocs = sorted(nprocs or default_nprocs())
+    threads = threads_per_rank(max(nprocs))
+    argv = [*BENCH_TRAIN_ARGS, "--model_name_or_path", model, "--block_size", str(block_size),
+            "--per_device_train_batch_size", str(micro_batch), "--learning_rate", str(learning_rate),
+            "--strategy", strategy, "--max_steps", str(warmup + steps), *(train_args or [])]
+    runs = []
+    for rep in range(repeats):
+        for n in (nprocs if rep % 2 == 0 else nprocs[::-1]):
+            work = out_dir / f"n{n}-r{rep}"
+            launch = run_workers(n, {"mode": "trainer", "argv": [*argv, "--output_dir", str(work / "run")]},
+                                 work, timeout, threads)
+            timed = timed_steps(launch.ranks, warmup)
+            step_time = median_of(timed, "wall_s")
+            seconds, steps_needed = time_to_target(launch.ranks, target_loss)
+            runs.append({
+                "nproc": n, "repeat": rep, "step_time_s": step_time, "cpu_time_s": median_of(timed, "cpu_s"),
+                "samples_per_s": n * micro_batch / step_time, "tokens_per_s": n * micro_batch * block_size / step_time,
+                "time_to_target_s": seconds, "steps_to_target": steps_needed,
+                "final_loss": launch.ranks[0]["steps"][-1]["loss"], "launch_wall_s": launch.wall_s,
+                "loadavg_before": launch.loadavg_before, "loadavg_after": launch.loadavg_after,
+            })
+    by_nproc = summarize_runs(runs, nprocs)
+    result: dict[str, Any] = {
+        "strategy": strategy, "model": model, "block_size": block_size, "micro_batch_per_rank": micro_batch,
+        "warmup_steps": warmup, "timed_steps": steps, "repeats": repeats, "threads_per_rank": threads,
+        "target_loss": target_loss, "runs": runs, "by_nproc": by_nproc,
+        "loadavg_1min": spread([r["loadavg_before"][0] for r in runs] + [r["loadavg_after"][0] for r in runs]),
+    }
+    result["table"] = table(result)
+    result["charts"] = [chart(result, out_dir / "scaling.png")]
+    return result
+
+
+def summarize_runs(runs: list[dict[str, Any]], nprocs: list[int]) -> dict[str, dict[str, Any]]:
+    """Per process count: spreads over repeats; efficiency pairs each repeat with the same repeat's base."""
+    base_n = nprocs[0]
+    base = {r["repeat"]: r["samples_per_s"] for r in runs if r["nproc"] == base_n}
+    out: dict[str, dict[str, Any]] = {}
+    for n in nprocs:
+        mine = [r for r in runs if r["nproc"] == n]
+        reached = [r["time_to_target_s"] for r in mine if r["time_to_target_s"] is not None]
+        out[str(n)] = {
+            "samples_per_s": spread([r["samples_per_s"] for r in mine]),
+            "tokens_per_s": spread([r["tokens_per_s"] for r in mine]),
+            "step_time_s": spread([r["step_time_s"] for r in mine]),
+            "cpu_time_s": spread([r["cpu_time_s"] for r in mine]),
+            "efficiency": spread([r["samples_per_s"] / (n / base_n * base[r["repeat"]]) for r in mine]),
+            "time_to_target_s": spread(reached) if reached else None,
+            "target_reached": f"{len(reached)}/{len(mine)}",
+        }
+    return out
+
+
+def table(result: dict[str, Any]) -> dict[str, Any]:
+    rows = []
+    for n, s in result["by_nproc"].items():
+        rows.append([n, fmt_spread(s["samples_per_s"]), fmt_spread(s["step_time_s"], 3), fmt_spread(s["cpu_time_s"], 3),
+                     fmt_spread(s["efficiency"], 2), fmt_spread(s["time_to_target_s"]), s["target_reached"]])
+    return {"title": f"Scaling ({result['strategy']}, {result['micro_batch_per_rank']} x {result['block_size']} tokens "
+                     f"per rank, median [min-max] of {result['repeats']} launches x {result['timed_steps']} steps)",
+            "columns": ["processes", "samples/s", "step time s", "CPU s/step/rank", "efficiency",
+                        f"time to loss {result['target_loss']} s", "reached"],
+            "rows": rows}
+
+
+def chart(result: dict[str, Any], path: Path) -> str:
+    ns = [int(n) for n in result["by_nproc"]]
+    stats = list(result["by_nproc"].values())
+    fig, (thr, eff) = figure(2, f"{result['strategy']} scaling, {result['model']}")
+    errorbar(thr, ns, [s["samples_per_s"] for s in stats], "measured")
+    base = stats[0]["samples_per_s"]["median"] / ns[0]
+    thr.plot(ns, [base * n for n in ns], "--", color="gray", label="linear")
+    thr.set(xlabel="processes", ylabel="samples / s", xticks=ns)
+    thr.legend(fontsize=8)
+    errorbar(eff, ns, [s["efficiency"] for s in stats], "efficiency")
+    eff.axhline(1.0, ls="--", color="gray")
+    eff.set(xlabel="processes", ylabel="scaling efficiency", xticks=ns, ylim=(0, 1.2))
+    return save(fig, path)

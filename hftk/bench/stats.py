@@ -1,0 +1,38 @@
+"""Robust summaries of noisy timings: medians with their spread, per-step series across ranks.
+
+Wall-clock on a shared CPU machine varies by 10-20 % between runs (field notes), so every bench
+quotes medians with min/max over repeats, never a single sample.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min, max and count of ``values`` (at least one)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def timed_steps(ranks: list[dict[str, Any]], warmup: int) -> list[dict[str, float]]:
+    """Per optimizer step after ``warmup``: wall time of the slowest rank, CPU time averaged over ranks.
+
+    The slowest rank sets the pace of a synchronous run; CPU time is each rank's own work.
+    """
+    counts = {len(r["steps"]) for r in ranks}
+    if len(counts) != 1:
+        raise RuntimeError(f"ranks recorded different step counts: {sorted(counts)}")
+    n = counts.pop()
+    if n <= warmup:
+        raise RuntimeError(f"only {n} steps recorded, not more than the {warmup} warm-up steps")
+    out = []
+    for i in range(warmup, n):
+        per_rank = [r["steps"][i] for r in ranks]
+        out.append({"wall_s": max(s["wall_s"] for s in per_rank),
+                    "cpu_s": sum(s["cpu_s"] for s in per_rank) / len(per_rank)})
+    return out
+
+
+def median_of(steps: list[dict[str, float]], key: str) -> float:
+    return statistics.median(s[key] for s in steps)

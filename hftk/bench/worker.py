@@ -1,0 +1,208 @@
+"""The process every rank of a bench launch runs: ``python -m hftk.bench.worker SPEC.json``.
+
+Modes (``spec["mode"]``):
+
+- ``trainer``: hftk's own engine (``hftk.engine.trainer.build_trainer``, the path ``hftk train``
+  takes, monitoring callbacks included) for the given ``hftk train`` argv;
+- ``hand``: a hand-written Accelerate loop with the same model, data, batch, optimizer, schedule
+  and clipping (the baseline of ``hftk bench overhead``);
+- ``batch``: several Trainer runs in one process group, one per (micro-batch, accumulation) trial,
+  each with its peak memory (``hftk bench batch``).
+
+Each rank writes ``rank{R}.json`` into ``spec["out"]``: per optimizer step its wall time (end of
+the previous step to end of this one), its process CPU time, and the logged loss.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+
+
+class StepClock:
+    """Wall and CPU time of each optimizer step, end to end (data loading and waits included)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.peak_mem_mb: list[float] = []  # rank 0: the monitor's per-window peak, max over ranks
+        self._last = (time.perf_counter(), time.process_time())
+
+    def reset(self) -> None:
+        self.steps.clear()
+        self.peak_mem_mb.clear()
+        self._last = (time.perf_counter(), time.process_time())
+
+    def tick(self, loss: float | None = None) -> None:
+        now = (time.perf_counter(), time.process_time())
+        self.steps.append({"wall_s": now[0] - self._last[0], "cpu_s": now[1] - self._last[1],
+                           "loss": math.nan if loss is None else loss})
+        self._last = now
+
+
+class StepClockCallback(TrainerCallback):
+    """Feeds a :class:`StepClock` from the Trainer; losses come from the per-step logs."""
+
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.clock.reset()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.clock.tick()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if logs and "loss" in logs and self.clock.steps:
+            self.clock.steps[-1]["loss"] = float(logs["loss"])
+        if logs and "peak_mem_mb_max" in logs:
+            self.clock.peak_mem_mb.append(float(logs["peak_mem_mb_max"]))
+
+
+def run_trainer(argv: list[str]) -> dict[str, Any]:
+    """One training run through hftk's engine, timed step by step."""
+    from hftk.engine.trainer import build_trainer
+    from hftk.run import prepare
+
+    trainer, _, _ = build_trainer(prepare(argv))
+    clock = StepClock()
+    trainer.add_callback(StepClockCallback(clock))
+    trainer.train()
+    trainer.accelerator.end_training()
+    return {"steps": clock.steps}
+
+
+def run_hand_loop(argv: list[str]) -> dict[str, Any]:
+    """The loop a competent user writes with Accelerate, with the Trainer's settings for the same config:
+    fused AdamW (the Trainer's default ``adamw_torch_fused``), its LR schedule, clipping, and DDP without
+    ``find_unused_parameters``. The loss is reduced across ranks every ``logging_steps`` steps."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from transformers import default_data_collator, get_scheduler
+
+    from hftk.data import tokenize_and_pack
+    from hftk.modeling import load_model, load_tokenizer
+    from hftk.run import prepare
+
+    prepared = prepare(argv)
+    cfg, t = prepared.cfg, prepared.cfg.training
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # without cpu=True each CPU rank trains alone
+    torch.manual_seed(t["seed"])
+    with accelerator.main_process_first():
+        data = tokenize_and_pack(cfg.data, prepared.raw, load_tokenizer(cfg.model), prepared.data_format, t["seed"])
+    model = load_model(cfg.model)
+    model.train()
+    loader = DataLoader(data.train, batch_size=t["per_device_train_batch_size"], shuffle=True,
+                        collate_fn=default_data_collator, drop_last=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t["learning_rate"], weight_decay=t.get("weight_decay", 0.0),
+                                  fused=True)
+    max_steps = t["max_steps"]
+    scheduler = get_scheduler(t["lr_scheduler_type"], optimizer, num_warmup_steps=t["warmup_steps"],
+                              num_training_steps=max_steps)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    clock = StepClock()
+    step = 0
+    while step < max_steps:
+        for batch in loader:
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), t["max_grad_norm"])
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            logged = None
+            if step % t["logging_steps"] == 0:
+                logged = accelerator.reduce(loss.detach(), reduction="mean").item()
+            clock.tick(logged)
+            if step == max_steps:
+                break
+    accelerator.end_training()
+    return {"steps": clock.steps}
+
+
+def run_batch_trials(argv: list[str], trials: list[dict[str, Any]], budget_bytes: float | None) -> dict[str, Any]:
+    """Trainer runs at each (micro_batch, accumulation) in order, in one process group.
+
+    A trial of kind ``search`` whose peak (max over ranks) exceeds the budget, or that runs out of
+    device memory, ends the search: later ``search`` trials are skipped. A ``pair`` trial runs only
+    when its micro-batch is no larger than the largest one that fitted.
+    """
+    from hftk.engine.trainer import build_trainer
+    from hftk.run import prepare
+
+    results = []
+    search_over = False
+    largest_fit = 0
+    for trial in trials:
+        if (trial["kind"] == "search" and search_over) or (trial["kind"] == "pair" and trial["micro_batch"] > largest_fit):
+            continue
+        trial_argv = [*argv, "--per_device_train_batch_size", str(trial["micro_batch"]),
+                      "--gradient_accumulation_steps", str(trial["accumulation"]),
+                      "--output_dir", str(Path(trial["output_dir"]))]
+        trainer, _, _ = build_trainer(prepare(trial_argv))
+        device = trainer.args.device
+        clock = StepClock()
+        trainer.add_callback(StepClockCallback(clock))
+        gc.collect()
+        oom = False
+        try:
+            trainer.train()
+        except torch.OutOfMemoryError:
+            oom = True
+        # The run's own monitor measured each logging window's peak on every rank (rank 0 holds the
+        # max over ranks); every rank takes rank 0's figure so that all decide alike.
+        peak = _max_over_ranks(max(clock.peak_mem_mb, default=0.0) * 2**20, device)
+        del trainer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        fits = not oom and (budget_bytes is None or peak <= budget_bytes)
+        if trial["kind"] == "search":
+            search_over = not fits
+            largest_fit = trial["micro_batch"] if fits else largest_fit
+        results.append({**trial, "peak_mem_bytes": peak, "oom": oom, "fits": fits, "steps": clock.steps})
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {"trials": results}
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    if not dist.is_initialized():
+        return value
+    on = device if "nccl" in str(dist.get_backend()) else torch.device("cpu")
+    tensor = torch.tensor([value], dtype=torch.float64, device=on)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    mode = spec["mode"]
+    if mode == "trainer":
+        result = run_trainer(spec["argv"])
+    elif mode == "hand":
+        result = run_hand_loop(spec["argv"])
+    elif mode == "batch":
+        result = run_batch_trials(spec["argv"], spec["trials"], spec.get("budget_bytes"))
+    else:
+        raise ValueError(f"unknown bench worker mode {mode!r}")
+    rank = int(os.environ.get("RANK", "0"))
+    out = Path(spec["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **result}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,373 @@
+"""Per-rank telemetry of a training run: MFU, peak memory, communication share, rank imbalance.
+
+:class:`RankMonitor` is plain (hftk's own loops call ``attach`` / ``step_begin`` / ``step_end``
+/ ``collect``); :class:`RankMonitorCallback` drives it from the HF Trainer. The overhead stays
+small: a timestamp per gradient hook, one ``all_gather`` of a few floats per *logging* step,
+and one profiled step every ``profile_every`` steps for the communication share.
+
+Why imbalance is judged on *compute* time and not on step time: in synchronous data parallel
+every rank waits for the slowest one at the gradient all-reduce (and at the Trainer's token
+count all-reduce), so wall-clock step times come out equal on all ranks however unbalanced
+the work is. What differs is each rank's compute time: from its forward start to its last
+gradient, summed over the micro-batches of the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from hftk.memory import model_state_bytes
+from hftk.monitor import append_jsonl
+
+logger = logging.getLogger("hftk.telemetry")
+MB = 2**20
+
+# Dense (no sparsity) peak TFLOPS per GPU from the vendors' datasheets, per compute dtype.
+# Patterns match torch.cuda.get_device_name(), most specific first ("A10" must not catch "A100"/"A10G").
+PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    (r"H100.*PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    (r"H100.*NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    (r"H100|H200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (r"L40S", {"bf16": 362.0, "tf32": 183.0, "fp32": 91.6}),
+    (r"\bL4\b", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (r"\bA10\b", {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+]
+
+
+def compute_dtype(bf16: bool, fp16: bool) -> str:
+    """Which peak column applies: half precision, TF32 matmuls, or plain fp32."""
+    if bf16 or fp16:
+        return "bf16"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+
+
+def device_peak_flops(device: torch.device, dtype: str) -> float | None:
+    """Peak FLOP/s of one device, or None on CPU and on GPUs missing from :data:`PEAK_TFLOPS`."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for pattern, peaks in PEAK_TFLOPS:
+        if re.search(pattern, name):
+            return peaks[dtype] * 1e12
+    logger.warning("MFU not reported: no peak FLOP/s known for GPU '%s' (add it to hftk.telemetry.PEAK_TFLOPS).", name)
+    return None
+
+
+def matmul_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameters used in matmuls, of which trainable): embedding lookups cost no FLOPs, a tied LM head does."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight is not head_weight}
+    seen: set[int] = set()
+    total = trainable = 0
+    for p in model.parameters():
+        if id(p) in lookups or id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return total, trainable
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: 2N forward + 2N input gradients + 2N' weight gradients (N' trainable;
+    6N for full fine-tuning), plus attention scores 12 * layers * hidden * seq_len (PaLM, appendix B)."""
+    total, trainable = matmul_params(model)
+    config = model.config
+    attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len
+    return 4 * total + 2 * trainable + attention
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak-memory window; False when the OS refuses (the peak is then the lifetime peak)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak since the last reset: allocated device memory on GPU, resident set (VmHWM) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line: peak RSS cannot be read on this OS")
+
+
+# ---- communication -----------------------------------------------------------------------------
+
+def comm_intervals(events: Any) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of collective work: gloo ops on CPU, NCCL kernels on GPU."""
+    spans = []
+    for event in events:
+        name = event.name
+        on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
+        if (on_gpu and "nccl" in name.lower()) or (not on_gpu and name.startswith("gloo:")):
+            spans.append((event.time_range.start, event.time_range.end))
+    return spans
+
+
+def union_seconds(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of microsecond intervals (overlapping buckets on several threads count once)."""
+    total, end = 0.0, -math.inf
+    for start, stop in sorted(spans):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total / 1e6
+
+
+# ---- the monitor -------------------------------------------------------------------------------
+
+FIELDS = ("step_time_s", "compute_time_s", "cpu_time_s", "peak_mem_mb", "tensor_mb", "comm_share")
+
+
+@dataclass
+class Window:
+    """Sums over the steps since the last collect."""
+
+    steps: int = 0
+    wall: float = 0.0
+    cpu: float = 0.0
+    compute: float = 0.0
+    computed_steps: int = 0
+    comm_share: float = math.nan
+
+
+@dataclass
+class RankMonitor:
+    """One rank's timings and memory; ``collect`` gathers every rank's to rank 0.
+
+    All ranks must call ``collect`` at the same points (it is one collective). ``profile_every``
+    > 0 profiles step 3 (past warm-up) and then every ``profile_every``-th step.
+    """
+
+    device: torch.device
+    imbalance_threshold: float = 0.2
+    profile_every: int = 0
+    window: Window = field(default_factory=Window)
+    _hooks: list[Any] = field(default_factory=list)
+    _fwd_start: float | None = None
+    _last_grad: float | None = None
+    _step_compute: float = 0.0
+    _step_computed: bool = False
+    _last_end: tuple[float, float] | None = None
+    _begin: tuple[float, float] = (0.0, 0.0)
+    _profiler: Any = None
+    _profiled: tuple[Any, float] | None = None
+    _peak_resettable: bool = True
+    _warned_unmeasured: bool = False
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Hooks timing each rank's compute: forward start, and every trainable parameter's gradient."""
+        self._hooks.append(model.register_forward_pre_hook(self._on_forward))
+        for param in model.parameters():
+            if param.requires_grad:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+        self._peak_resettable = reset_peak_memory(self.device)
+
+    def detach(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if module.training:
+            self._close_segment()
+            self._fwd_start = time.perf_counter()
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        self._last_grad = time.perf_counter()
+
+    def _close_segment(self) -> None:
+        """One micro-batch's compute: its forward start to its last gradient."""
+        if self._fwd_start is not None and self._last_grad is not None and self._last_grad > self._fwd_start:
+            self._step_compute += self._last_grad - self._fwd_start
+            self._step_computed = True
+        self._fwd_start = self._last_grad = None
+
+    def step_begin(self, step: int) -> None:
+        """``step``: 1-based number of the optimizer step about to run."""
+        self._step_compute, self._step_computed = 0.0, False
+        if self.profile_every > 0 and (step == 3 or step % self.profile_every == 0):
+            self._sync()
+            self._profiler = torch.profiler.profile(activities=_activities(self.device))
+            self._profiler.__enter__()
+        self._begin = (time.perf_counter(), time.process_time())
+        if self._last_end is None:
+            self._last_end = self._begin
+
+    def step_end(self) -> None:
+        self._close_segment()
+        now = (time.perf_counter(), time.process_time())
+        w = self.window
+        w.steps += 1
+        w.wall += now[0] - self._last_end[0]  # end to end: data loading and waits count too
+        w.cpu += now[1] - self._last_end[1]
+        if self._step_computed:
+            w.compute += self._step_compute
+            w.computed_steps += 1
+        if self._profiler is not None:
+            self._sync()
+            self._profiled = (self._profiler, time.perf_counter() - self._begin[0])
+            self._profiler.__exit__(None, None, None)
+            self._profiler = None
+            now = (time.perf_counter(), time.process_time())  # stopping the profiler is not the next step's work
+        self._last_end = now
+
+    def _read_profile(self) -> None:
+        """Comm share of the profiled step. Parsing the trace takes a while: it is done at collect time
+        and kept out of the step-time windows of this monitor and of the Trainer's throughput callback."""
+        if self._profiled is None:
+            return
+        start = (time.perf_counter(), time.process_time())
+        profiler, profiled_wall = self._profiled
+        self.window.comm_share = union_seconds(comm_intervals(profiler.events())) / profiled_wall
+        self._profiled = None
+        if self._last_end is not None:
+            spent = (time.perf_counter() - start[0], time.process_time() - start[1])
+            self._last_end = (self._last_end[0] + spent[0], self._last_end[1] + spent[1])
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def local_stats(self, model: torch.nn.Module | None = None, optimizer: Any = None) -> list[float]:
+        """This rank's window, in the order of :data:`FIELDS` (NaN where not measured)."""
+        w = self.window
+        steps = max(w.steps, 1)
+        compute = w.compute / w.computed_steps if w.computed_steps == w.steps and w.steps else math.nan
+        tensors = model_state_bytes(model, optimizer)["total"] / MB if model is not None else math.nan
+        return [w.wall / steps, compute, w.cpu / steps, peak_memory_bytes(self.device) / MB, tensors, w.comm_share]
+
+    def collect(self, model: torch.nn.Module | None = None, optimizer: Any = None) -> RankSummary | None:
+        """Gather every rank's window to rank 0 (one all_gather) and start a new window.
+
+        Returns the summary on rank 0, None on the other ranks.
+        """
+        self._read_profile()
+        local = self.local_stats(model, optimizer)
+        rows = gather_rows(local, self.device)
+        self.window = Window()
+        self._peak_resettable = reset_peak_memory(self.device)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        summary = summarize(rows, self.imbalance_threshold, "gpu_allocated" if self.device.type == "cuda" else
+                            ("rss_hwm" if self._peak_resettable else "rss_hwm_lifetime"))
+        if summary.unmeasured and not self._warned_unmeasured:
+            self._warned_unmeasured = True
+            logger.warning("rank imbalance not measured: no gradient reached the parameters' autograd hooks "
+                           "(this strategy sets gradients itself); only wall-clock step times are reported.")
+        return summary
+
+
+def _activities(device: torch.device) -> list[Any]:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
+def gather_rows(local: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's row of floats, on every rank (NCCL needs the tensor on the GPU)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [local]
+    on = device if "nccl" in str(dist.get_backend()) else torch.device("cpu")
+    mine = torch.tensor(local, dtype=torch.float64, device=on)
+    out = torch.empty(dist.get_world_size() * len(local), dtype=torch.float64, device=on)
+    dist.all_gather_into_tensor(out, mine)
+    return out.view(dist.get_world_size(), len(local)).tolist()
+
+
+@dataclass
+class RankSummary:
+    """Rank 0's view of one logging window."""
+
+    per_rank: dict[str, list[float | None]]
+    scalars: dict[str, float]
+    imbalance: float | None
+    warning: str | None
+    unmeasured: bool
+    peak_mem_kind: str
+
+    def record(self, step: int) -> dict[str, Any]:
+        """The metrics.jsonl line: per-rank lists plus the imbalance verdict."""
+        return {"step": step, "rank_stats": self.per_rank, "rank_imbalance": self.imbalance,
+                "imbalance_warning": self.warning is not None, "peak_mem_kind": self.peak_mem_kind}
+
+
+def summarize(rows: list[list[float]], threshold: float, peak_mem_kind: str) -> RankSummary:
+    """Per-rank lists, tracker scalars, and the imbalance: slowest compute / fastest compute - 1."""
+    cols = {name: [row[i] for row in rows] for i, name in enumerate(FIELDS)}
+    per_rank = {name: [None if math.isnan(v) else v for v in values] for name, values in cols.items()}
+    scalars = {"step_time_s_max": max(cols["step_time_s"]), "cpu_time_s_mean": sum(cols["cpu_time_s"]) / len(rows),
+               "peak_mem_mb_max": max(cols["peak_mem_mb"])}
+    if not any(math.isnan(v) for v in cols["tensor_mb"]):
+        scalars["tensor_mb_max"] = max(cols["tensor_mb"])
+    shares = [v for v in cols["comm_share"] if not math.isnan(v)]
+    if shares:
+        scalars["comm_share"] = sum(shares) / len(shares)
+    compute = cols["compute_time_s"]
+    unmeasured = any(math.isnan(v) for v in compute)
+    imbalance, warning = None, None
+    if not unmeasured:
+        slow, fast = max(range(len(rows)), key=compute.__getitem__), min(range(len(rows)), key=compute.__getitem__)
+        imbalance = compute[slow] / compute[fast] - 1 if compute[fast] > 0 else math.inf
+        scalars.update(compute_time_s_max=compute[slow], compute_time_s_min=compute[fast], rank_imbalance=imbalance)
+        if imbalance > threshold:
+            warning = (f"rank imbalance {imbalance:.0%} > {threshold:.0%}: rank {slow} computes "
+                       f"{compute[slow]:.3f}s per step, rank {fast} {compute[fast]:.3f}s; the others wait for rank {slow}.")
+    return RankSummary(per_rank, scalars, imbalance, warning, unmeasured, peak_mem_kind)
+
+
+class RankMonitorCallback(TrainerCallback):
+    """Drives a :class:`RankMonitor` from the Trainer; rank 0 adds its scalars to each training log
+    (so tensorboard / wandb see them) and appends the per-rank record to ``metrics_path``."""
+
+    def __init__(self, monitor: RankMonitor, metrics_path: Path) -> None:
+        self.monitor = monitor
+        self.metrics_path = metrics_path
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.monitor.attach(model)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.monitor.detach()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.monitor.step_begin(state.global_step + 1)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.monitor.step_end()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, model: Any = None,
+               optimizer: Any = None, **kwargs: Any) -> None:
+        if logs is None or "loss" not in logs or not self.monitor.window.steps:
+            return
+        summary = self.monitor.collect(model, optimizer)
+        if summary is None:
+            return
+        logs.update(summary.scalars)
+        append_jsonl(self.metrics_path, summary.record(state.global_step))
+        if summary.warning:
+            logger.warning("step %d: %s", state.global_step, summary.warning)

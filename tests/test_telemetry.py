@@ -1,0 +1,118 @@
+"""Per-rank telemetry, in one process: FLOPs per token, imbalance verdicts, comm intervals,
+peak memory windows, the monitor's own numbers, and its option checks."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hftk.telemetry import (FIELDS, RankMonitor, comm_intervals, device_peak_flops, flops_per_token, matmul_params,
+                            peak_memory_bytes, reset_peak_memory, summarize, union_seconds)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from hftk.config import ModelConfig
+    from hftk.modeling import load_model
+
+    return load_model(ModelConfig(model_name_or_path="builtin:gpt2-tiny", model_dropout=0.0))
+
+
+def test_flops_per_token_counts_matmul_weights_and_attention(tiny_model):
+    total, trainable = matmul_params(tiny_model)
+    all_params = sum(p.numel() for p in tiny_model.parameters())  # tied wte/lm_head appear once
+    wpe = tiny_model.transformer.wpe.weight.numel()
+    assert total == trainable == all_params - wpe  # the position lookup costs nothing; the tied head does
+    cfg = tiny_model.config
+    assert flops_per_token(tiny_model, 64) == 6 * total + 12 * cfg.n_layer * cfg.n_embd * 64
+    for p in tiny_model.transformer.h.parameters():  # frozen weights: no weight-gradient FLOPs
+        p.requires_grad_(False)
+    try:
+        frozen = sum(p.numel() for p in tiny_model.transformer.h.parameters())
+        assert flops_per_token(tiny_model, 64) == 6 * total - 2 * frozen + 12 * cfg.n_layer * cfg.n_embd * 64
+    finally:
+        for p in tiny_model.parameters():
+            p.requires_grad_(True)
+
+
+def test_no_mfu_peak_on_cpu():
+    assert device_peak_flops(torch.device("cpu"), "bf16") is None
+
+
+def _rows(compute: list[float]) -> list[list[float]]:
+    return [[1.0, c, 0.5, 800.0, 40.0, math.nan] for c in compute]
+
+
+def test_imbalance_verdict():
+    balanced = summarize(_rows([1.0, 1.1]), 0.2, "rss_hwm")
+    assert balanced.imbalance == pytest.approx(0.1) and balanced.warning is None
+    slow = summarize(_rows([1.0, 1.5, 1.05]), 0.2, "rss_hwm")
+    assert slow.imbalance == pytest.approx(0.5)
+    assert slow.warning and "rank 1" in slow.warning and "rank 0" in slow.warning
+    assert slow.record(7)["imbalance_warning"] is True
+    assert slow.scalars["rank_imbalance"] == pytest.approx(0.5) and "comm_share" not in slow.scalars
+    unmeasured = summarize(_rows([1.0, math.nan]), 0.2, "rss_hwm")
+    assert unmeasured.unmeasured and unmeasured.imbalance is None and "rank_imbalance" not in unmeasured.scalars
+    assert unmeasured.per_rank["compute_time_s"] == [1.0, None]
+
+
+def test_comm_intervals_union_counts_overlap_once():
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def ev(name, start, end, device=cpu):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [ev("gloo:all_reduce", 0, 100), ev("gloo:all_reduce", 50, 150), ev("aten::mm", 0, 1000),
+              ev("ncclDevKernel_AllReduce_Sum_f32", 300, 400, cuda), ev("c10d::allreduce_", 0, 5)]
+    spans = comm_intervals(events)
+    assert sorted(spans) == [(0, 100), (50, 150), (300, 400)]
+    assert union_seconds(spans) == pytest.approx(250e-6)
+
+
+def test_peak_memory_window_resets_and_sees_a_big_allocation():
+    cpu = torch.device("cpu")
+    assert reset_peak_memory(cpu)
+    before = peak_memory_bytes(cpu)
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert peak_memory_bytes(cpu) >= before + 60 * 2**20
+    del block
+    assert reset_peak_memory(cpu)
+    assert peak_memory_bytes(cpu) < before + 60 * 2**20
+
+
+def test_monitor_measures_compute_memory_and_profiled_step(tiny_model):
+    """One process: compute time from the hooks, counted tensor bytes, and a profiled step 3."""
+    monitor = RankMonitor(torch.device("cpu"), imbalance_threshold=0.2, profile_every=100)
+    monitor.attach(tiny_model)
+    optimizer = torch.optim.AdamW(tiny_model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 2048, (2, 32))
+    tiny_model.train()
+    for step in (1, 2, 3):
+        monitor.step_begin(step)
+        tiny_model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step_end()
+    summary = monitor.collect(tiny_model, optimizer)
+    monitor.detach()
+    assert summary is not None and summary.imbalance == 0.0
+    stats = {name: summary.per_rank[name][0] for name in FIELDS}
+    assert 0 < stats["compute_time_s"] <= stats["step_time_s"]
+    assert stats["cpu_time_s"] > 0 and stats["peak_mem_mb"] > 50
+    params_mb = sum(p.numel() for p in tiny_model.parameters()) * 4 / 2**20
+    assert stats["tensor_mb"] == pytest.approx(3 * params_mb, rel=0.01)  # weights + Adam's two moments
+    assert stats["comm_share"] == 0.0  # profiled, and one process sends nothing
+    assert monitor.window.steps == 0 and not monitor._hooks
+
+
+@pytest.mark.parametrize("args,field", [(["--comm_profile_steps", "-1"], "tracking.comm_profile_steps"),
+                                        (["--imbalance_warn_threshold", "0"], "tracking.imbalance_warn_threshold")])
+def test_bad_monitor_options_are_one_clear_line(args, field, tmp_path, capsys):
+    from hftk.run import main
+
+    assert main(["--output_dir", str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0] and "Fix:" in err[0]
