@@ -35,9 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``scripts/finetune.py`` and ``hftk train``."""
     try:
         prepared = prepare(argv)
-        from hftk.engine.trainer import train
+        import importlib
 
-        train(prepared)
+        engine = getattr(strategies.get(prepared.cfg.strategy.strategy), "ENGINE", "trainer")
+        importlib.import_module(f"hftk.engine.{engine}").train(prepared)
     except HftkError as exc:
         print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
         return EXIT_USAGE

@@ -10,6 +10,12 @@ Every strategy module answers the same questions with plain functions (no base c
 - ``verify(trainer)``: called at train begin; raise if the run is not really distributed
   the way its name says (the field's silent fallbacks to DDP or to one process).
 - ``save_final(trainer, out_dir)``: write a complete, consolidated HF folder.
+
+A strategy whose layout the HF Trainer cannot drive names its engine module under
+``hftk.engine`` in ``ENGINE`` (default ``"trainer"``). Tensor and sequence parallel (``tp``,
+``sp``) set ``ENGINE = "mesh_loop"`` and answer ``validate`` plus
+``layout(model, cfg, device_type) -> MeshLayout`` (see :mod:`hftk.engine.mesh_loop`) instead of
+the Trainer hooks.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from hftk.errors import HftkError
 
 MODULES = {
     "ddp": "hftk.strategies.ddp",
+    "tp": "hftk.strategies.tensor",
+    "sp": "hftk.strategies.sequence",
 }
 
 

@@ -1,0 +1,428 @@
+"""A thin training loop for layouts the HF Trainer cannot drive: tensor and sequence parallel.
+
+Why not the Trainer here: on CPU accelerate refuses its ``ParallelismConfig``, and a plain
+``Accelerator`` wraps a tensor-parallel model in DDP and crashes ("mixed torch.Tensor and
+DTensor"); the Trainer gives every rank different samples, while the ranks of one tensor- or
+sequence-parallel group must read the same ones; and it cannot checkpoint DTensor optimizer
+state (it refuses to resume models sharded at load time). The loop does what the Trainer does
+for a causal LM -- shuffled batches, AdamW, warmup + decay, clipping, logging, evaluation,
+checkpoints, a final HF folder -- while the strategy's :class:`MeshLayout` decides who reads which
+tokens and how losses and gradients are combined.
+
+The loss of one optimizer step is the mean over every target token of the global batch (all
+micro-batches, all data-parallel ranks), as the Trainer computes it: each rank adds its
+token-loss sum divided by the global token count, and the gradient reductions sum the parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, ContextManager
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hftk import strategies
+from hftk.checkpoint import announce_resume, resolve_resume
+from hftk.data import IGNORE_INDEX, tokenize_and_pack
+from hftk.engine.guard import check_world
+from hftk.errors import HftkError
+from hftk.modeling import load_model, load_tokenizer
+from hftk.monitor import append_jsonl
+from hftk.run_types import PreparedRun
+
+FINAL_DIR = "final"
+# TrainingArguments fields the loop honours; anything else set explicitly is refused before launch.
+SUPPORTED_TRAINING = {
+    "output_dir", "overwrite_output_dir", "per_device_train_batch_size", "per_device_eval_batch_size",
+    "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+    "max_grad_norm", "lr_scheduler_type", "warmup_steps", "num_train_epochs", "max_steps", "logging_steps",
+    "eval_strategy", "eval_steps", "save_strategy", "save_steps", "save_total_limit", "seed", "resume_from_checkpoint",
+    "report_to", "ddp_timeout", "disable_tqdm", "optim", "use_cpu",
+    # DDP / DataLoader options that have nothing to act on in this loop (set by hftk's defaults).
+    "ddp_find_unused_parameters", "dataloader_num_workers",
+}
+CHOICES = {
+    "eval_strategy": ("no", "steps"), "save_strategy": ("no", "steps"), "optim": ("adamw_torch", "adamw_torch_fused"),
+    "dataloader_num_workers": (0,),
+}
+REPORTERS = ("none", "tensorboard")
+
+
+@dataclass
+class MeshLayout:
+    """What one strategy's layout tells the loop (built after the process group exists)."""
+
+    model: torch.nn.Module
+    data_rank: int  # which slice of each global batch this rank reads
+    data_size: int  # how many slices: the data-parallel degree
+    data_groups: list[Any]  # process groups whose ranks read different tokens: counts and losses are summed there
+    grad_scale: float  # loss multiplier so the strategy's gradient reduction yields the global mean
+    describe: dict[str, Any]  # mesh sizes and strategy facts, logged and saved with checkpoints
+    shard_batch: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda batch: batch
+    loss_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    reduce_grads: Callable[[], None] = lambda: None
+
+
+def check_training_options(cfg: Any, strategy: str) -> None:
+    """Refuse TrainingArguments the loop would otherwise ignore (no silent fallbacks).
+
+    An unsupported option that is switched off (False, None, "no") asks for nothing and passes.
+    """
+    for key, value in cfg.training.items():
+        if key not in SUPPORTED_TRAINING and value not in (False, None, "no", "none", "", [], 0):
+            raise HftkError(f"training.{key}", f"is not supported with strategy {strategy} (hftk's mesh loop).",
+                            f"remove it; supported: {', '.join(sorted(SUPPORTED_TRAINING))}.")
+        if key in CHOICES and value not in CHOICES[key]:
+            raise HftkError(f"training.{key}", f"'{value}' is not supported with strategy {strategy}.",
+                            f"use one of: {', '.join(map(str, CHOICES[key]))}.")
+    report_to = cfg.training.get("report_to") or []
+    for name in [report_to] if isinstance(report_to, str) else report_to:
+        if name not in REPORTERS:
+            raise HftkError("training.report_to", f"'{name}' is not supported with strategy {strategy}.",
+                            f"use {' or '.join(REPORTERS)} (metrics.jsonl is always written).")
+
+
+# ---------------------------------------------------------------- process group
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_process_group(cfg: Any) -> int:
+    """Start the default process group (gloo on CPU, NCCL on GPU); a single process gets a local store."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    timeout = timedelta(seconds=int(cfg.training.get("ddp_timeout", 1800)))
+    if device_type() == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(timeout=timeout)
+    else:
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    check_world(dist.get_world_size())
+    return dist.get_world_size()
+
+
+def all_reduce_sum(value: torch.Tensor, groups: list[Any]) -> torch.Tensor:
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(value, group=group)
+    return value
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (replicated scalars, gathered shards); a plain tensor as is."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
+
+
+# ---------------------------------------------------------------- data
+
+
+def global_batches(n_samples: int, global_batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch's shuffled sample indices cut into full global batches (the remainder is dropped)."""
+    generator = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(n_samples, generator=generator).tolist()
+    return [order[i:i + global_batch] for i in range(0, n_samples - global_batch + 1, global_batch)]
+
+
+def rank_slice(indices: list[int], micro: int, rank: int) -> list[int]:
+    return indices[rank * micro:(rank + 1) * micro]
+
+
+def make_batch(dataset: Any, indices: list[int], device: str) -> dict[str, torch.Tensor]:
+    """Model inputs plus ``shift_labels`` (the next token per position; -100 where none)."""
+    rows = dataset[indices]
+    input_ids = rows["input_ids"].to(device)
+    labels = rows["labels"].to(device)
+    batch = {
+        "input_ids": input_ids,
+        "position_ids": torch.arange(input_ids.shape[1], device=device).expand_as(input_ids),
+        "shift_labels": F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX),
+    }
+    if "attention_mask" in rows:
+        batch["attention_mask"] = rows["attention_mask"].to(device)
+    return batch
+
+
+def token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (batch["shift_labels"] != IGNORE_INDEX).sum().to(torch.float64)
+
+
+# ---------------------------------------------------------------- optimisation
+
+
+def build_optimizer(model: torch.nn.Module, training: dict[str, Any]) -> torch.optim.Optimizer:
+    """AdamW; biases and norms (1-D parameters) without weight decay, one group per device mesh.
+
+    Parameters on different meshes (tensor-parallel shards next to replicated norms) cannot share
+    one foreach kernel call, so they get separate groups.
+    """
+    groups: dict[tuple[bool, Any], list[torch.nn.Parameter]] = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            groups.setdefault((param.ndim >= 2, getattr(param, "device_mesh", None)), []).append(param)
+    decay = training.get("weight_decay", 0.0)
+    param_groups = [{"params": params, "weight_decay": decay if decays else 0.0}
+                    for (decays, _), params in groups.items()]
+    return torch.optim.AdamW(
+        param_groups, lr=training["learning_rate"], betas=(training.get("adam_beta1", 0.9), training.get("adam_beta2", 0.999)),
+        eps=training.get("adam_epsilon", 1e-8),
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, training: dict[str, Any], max_steps: int) -> Any:
+    from transformers import get_scheduler
+
+    warmup = training.get("warmup_steps", 0)
+    warmup = int(warmup) if warmup >= 1 else math.ceil(max_steps * warmup)
+    return get_scheduler(training.get("lr_scheduler_type", "linear"), optimizer, num_warmup_steps=warmup,
+                         num_training_steps=max_steps)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Global gradient norm over parameters on any mix of meshes; grads scaled down to ``max_norm``."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+    squares = [plain(torch.nn.utils.get_total_norm(grads)) ** 2 for grads in groups.values()]
+    total = float(torch.stack(squares).sum().sqrt()) if squares else 0.0
+    if max_norm and max_norm > 0 and total > max_norm:
+        coef = max_norm / (total + 1e-6)
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total
+
+
+def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """FSDP2: reduce-scatter only after the last micro-batch of a gradient-accumulation window."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum of next-token cross-entropy over this rank's target tokens (logits may be vocabulary-sharded)."""
+    inputs = {k: v for k, v in batch.items() if k != "shift_labels"}
+    logits = model(**inputs, use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["shift_labels"].flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
+
+
+def train_step(layout: MeshLayout, micro_batches: list[dict[str, torch.Tensor]], optimizer: Any, scheduler: Any,
+               max_grad_norm: float) -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches; returns the global mean loss and grad norm."""
+    model = layout.model
+    model.train()  # from_pretrained returns eval mode; Ulysses and dropout must see training mode
+    local = [layout.shard_batch(b) for b in micro_batches]
+    tokens = all_reduce_sum(sum(token_count(b) for b in local), layout.data_groups)
+    total = torch.zeros((), dtype=torch.float64, device=tokens.device)
+    for i, batch in enumerate(local):
+        set_gradient_sync(model, i == len(local) - 1)
+        with layout.loss_context():
+            summed = loss_sum(model, batch)
+            (summed * (layout.grad_scale / tokens.item())).backward()
+        total += plain(summed.detach()).to(torch.float64)
+    layout.reduce_grads()
+    grad_norm = clip_grad_norm(model, max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = all_reduce_sum(total, layout.data_groups) / tokens
+    return {"loss": float(loss), "grad_norm": grad_norm, "tokens": float(tokens)}
+
+
+@torch.no_grad()
+def evaluate(layout: MeshLayout, dataset: Any, batch_size: int, device: str) -> float:
+    """Mean next-token loss over every eval sample exactly once, in eval mode.
+
+    Every rank runs the same number of forwards (sharded layouts need all ranks in each
+    collective): a rank with no samples left reads one with its labels masked out.
+    """
+    model = layout.model
+    model.eval()
+    n = len(dataset)
+    span = batch_size * layout.data_size
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = torch.zeros((), dtype=torch.float64, device=device)
+    for start in range(0, n, span):
+        chunk = list(range(start, min(start + span, n)))
+        mine = rank_slice(chunk, batch_size, layout.data_rank)
+        batch = make_batch(dataset, mine or chunk[:1], device)
+        if not mine:
+            batch["shift_labels"].fill_(IGNORE_INDEX)
+        batch = layout.shard_batch(batch)
+        with layout.loss_context():
+            total += plain(loss_sum(model, batch)).to(torch.float64)
+        tokens += token_count(batch)
+    all_reduce_sum(total, layout.data_groups)
+    all_reduce_sum(tokens, layout.data_groups)
+    model.train()
+    return float(total / tokens.clamp(min=1))
+
+
+# ---------------------------------------------------------------- logging
+
+
+class Reporter:
+    """metrics.jsonl (always) and TensorBoard (when asked), written by rank 0 only."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.path = cfg.output_dir / cfg.tracking.metrics_file
+        self.main = dist.get_rank() == 0
+        report_to = cfg.training.get("report_to") or []
+        report_to = [report_to] if isinstance(report_to, str) else report_to
+        self.writer = None
+        if self.main and "tensorboard" in report_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(cfg.output_dir / "runs"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.main:
+            return
+        append_jsonl(self.path, record)
+        if self.writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.writer.add_scalar(key, value, record.get("step", 0))
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _tokenized(prepared: PreparedRun, tokenizer: Any) -> Any:
+    """Rank 0 tokenises first; the others then read the datasets cache."""
+    cfg = prepared.cfg
+    seed = cfg.training.get("seed", 42)
+    if dist.get_rank() != 0:
+        dist.barrier()
+    data = tokenize_and_pack(cfg.data, prepared.raw, tokenizer, prepared.data_format, seed)
+    if dist.get_rank() == 0:
+        dist.barrier()
+    return data
+
+
+def train(prepared: PreparedRun) -> dict[str, float]:
+    """Run a tensor- or sequence-parallel fine-tuning for a prepared (validated) config."""
+    from transformers import set_seed
+
+    from hftk import mesh_checkpoint
+
+    cfg = prepared.cfg
+    t = cfg.training
+    strategy = strategies.get(cfg.strategy.strategy)
+    init_process_group(cfg)
+    device = device_type() if device_type() == "cpu" else f"cuda:{torch.cuda.current_device()}"
+    seed = t.get("seed", 42)
+    set_seed(seed)
+    tokenizer = load_tokenizer(cfg.model)
+    data = _tokenized(prepared, tokenizer)
+    model = load_model(cfg.model).to(device)
+    layout = strategy.layout(model, cfg, device_type())
+    optimizer = build_optimizer(layout.model, t)
+
+    micro = t["per_device_train_batch_size"]
+    accumulation = t.get("gradient_accumulation_steps", 1)
+    global_batch = micro * accumulation * layout.data_size
+    steps_per_epoch = len(data.train) // global_batch
+    if steps_per_epoch == 0:
+        raise HftkError("training.per_device_train_batch_size",
+                        f"one optimizer step needs {global_batch} blocks but the training set has {len(data.train)}.",
+                        "lower the batch size or gradient_accumulation_steps, or add data.")
+    max_steps = t.get("max_steps", -1)
+    if max_steps <= 0:
+        max_steps = math.ceil(t["num_train_epochs"] * steps_per_epoch)
+    scheduler = build_scheduler(optimizer, t, max_steps)
+    reporter = Reporter(cfg)
+    step = 0
+    resume = resolve_resume(cfg.output_dir, t.get("resume_from_checkpoint"))
+    announce_resume(cfg.output_dir, resume, publisher=dist.get_rank() == 0)
+    if resume:
+        step = mesh_checkpoint.load(Path(resume), layout, optimizer, scheduler)
+    reporter.log({"step": step, "layout": {**layout.describe, "world_size": dist.get_world_size(),
+                                                 "global_batch": global_batch, "max_steps": max_steps},
+                  "local_shapes": local_shapes(layout.model)})
+
+    block = cfg.data.block_size
+    window: list[dict[str, float]] = []
+    window_time = 0.0
+    result: dict[str, float] = {}
+    evaluated_at = -1
+    while step < max_steps:
+        epoch, offset = divmod(step, steps_per_epoch)
+        batches = global_batches(len(data.train), global_batch, seed, epoch)
+        for indices in batches[offset:]:
+            if step >= max_steps:
+                break
+            started = time.perf_counter()
+            span = micro * layout.data_size
+            micro_batches = [make_batch(data.train, rank_slice(indices[i:i + span], micro, layout.data_rank), device)
+                             for i in range(0, len(indices), span)]
+            lr = scheduler.get_last_lr()[0]
+            out = train_step(layout, micro_batches, optimizer, scheduler, t.get("max_grad_norm", 1.0))
+            if not math.isfinite(out["loss"]):
+                raise HftkError("training", f"the loss became {out['loss']} at step {step + 1}.",
+                                "lower the learning rate or check the data.")
+            window_time += time.perf_counter() - started
+            window.append({**out, "learning_rate": lr})
+            step += 1
+            if step % t.get("logging_steps", 500) == 0 or step == max_steps:
+                step_time = window_time / len(window)
+                record = {
+                    "step": step, "epoch": step / steps_per_epoch,
+                    "loss": sum(w["loss"] for w in window) / len(window),
+                    "grad_norm": window[-1]["grad_norm"], "learning_rate": window[-1]["learning_rate"],
+                    "step_time_s": step_time, "tokens_per_s": global_batch * block / step_time,
+                    "samples_per_s": global_batch / step_time,
+                }
+                reporter.log(record)
+                result = {"train_loss": record["loss"]}
+                window, window_time = [], 0.0
+            if data.eval is not None and t.get("eval_strategy") == "steps" and step % t.get("eval_steps", 500) == 0:
+                result.update(_log_eval(layout, data.eval, t, device, step, steps_per_epoch, reporter))
+                evaluated_at = step
+            if t.get("save_strategy", "steps") == "steps" and step % t.get("save_steps", 500) == 0:
+                mesh_checkpoint.save(cfg.output_dir, step, layout, optimizer, scheduler, cfg, tokenizer)
+    if data.eval is not None and evaluated_at != step:
+        result.update(_log_eval(layout, data.eval, t, device, step, steps_per_epoch, reporter))
+    mesh_checkpoint.save_hf_folder(cfg.output_dir / FINAL_DIR, layout, tokenizer)
+    reporter.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def _log_eval(layout: MeshLayout, dataset: Any, t: dict[str, Any], device: str, step: int, steps_per_epoch: int,
+              reporter: Reporter) -> dict[str, float]:
+    loss = evaluate(layout, dataset, t.get("per_device_eval_batch_size", 8), device)
+    record = {"step": step, "epoch": step / steps_per_epoch, "eval_loss": loss,
+              "eval_perplexity": math.exp(min(loss, 50.0))}
+    reporter.log(record)
+    return {"eval_loss": loss}
+
+
+def local_shapes(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """Per parameter: the shape this rank stores, the full shape, and its placements (sharding made visible)."""
+    shapes = {}
+    for name, param in model.named_parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        shapes[name] = {"local": list(local.shape), "full": list(param.shape),
+                        "placements": [str(p) for p in getattr(param, "placements", ())]}
+    return shapes

@@ -1,0 +1,156 @@
+"""Sequence parallel (``sp``): DeepSpeed Ulysses, each rank holding the whole model and 1/sp of every sequence.
+
+The mesh is ``(dp, sp)`` with ``sp`` innermost. The ranks of one sequence-parallel group read the
+same samples and each keeps its slice of every sequence (input ids, position ids, and the labels
+shifted on the WHOLE sequence first); the ``dp`` ranks split the global batch, so no sample is fed
+twice. Inside attention, DeepSpeed's ``UlyssesSPAttentionHF`` trades the sequence split for a head
+split with two all-to-alls, so every rank attends over the full sequence for its heads.
+
+Three traps of the stock integration are closed here:
+
+- every batch carries ``position_ids`` (the adapter needs them to rebuild the causal order);
+- the loss is the token-loss sum over all ranks divided by the global token count, and the
+  gradients are summed over every rank (each holds the gradient of its own tokens only);
+- accelerate registers the adapter with ``disable_in_eval=True``: in eval mode it keeps the
+  sequence sharded but stops gathering attention, a wrong loss without an error; and
+  ``from_pretrained`` returns an eval-mode model. hftk registers it with ``disable_in_eval=False``
+  (evaluation is sequence parallel too) and the loop puts the model in train mode for every step.
+
+Only SDPA attention is supported: DeepSpeed refuses eager (it needs a 4-D mask), and flash
+attention was not tested here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hftk.config import RunConfig
+from hftk.errors import HftkError
+
+ENGINE = "mesh_loop"
+FAMILIES = ("llama", "mistral", "qwen2")  # attention receives position_ids through its kwargs
+ATTENTION = "sdpa"
+BUCKET_BYTES = 25 * 2**20
+
+
+def validate(cfg: RunConfig, world_size: int) -> None:
+    """Degrees, attention kernel, sequence and head divisibility, supported options; before any process group."""
+    from hftk.engine.mesh_loop import check_training_options
+    from hftk.modeling import load_model_config
+
+    s = cfg.strategy
+    if s.sp_size < 1 or world_size % s.sp_size:
+        raise HftkError("strategy.sp_size", f"{s.sp_size} does not divide the world size {world_size}.",
+                        "choose an sp_size that divides the number of processes (the rest is data parallel).")
+    for name in ("tp_size", "dp_shard_size", "dp_replicate_size"):
+        if getattr(s, name) != 1:
+            raise HftkError(f"strategy.{name}", "does not compose with strategy sp in hftk.",
+                            "use strategy sp (sp x data parallel) or strategy tp (tp x dp_shard x dp_replicate).")
+    if cfg.model.lora_r > 0:
+        raise HftkError("model.lora_r", "LoRA is not supported with strategy sp.", "train the full model, or use ddp.")
+    if cfg.model.attn_implementation not in (None, ATTENTION):
+        raise HftkError("model.attn_implementation", f"'{cfg.model.attn_implementation}' is not supported with "
+                        "strategy sp (Ulysses needs an attention without a 4-D mask).", f"use {ATTENTION}.")
+    if cfg.data.block_size % s.sp_size:
+        raise HftkError("data.block_size", f"{cfg.data.block_size} tokens do not split evenly over sp_size {s.sp_size}.",
+                        f"choose a block_size divisible by {s.sp_size}.")
+    check_training_options(cfg, "sp")
+    config = load_model_config(cfg.model)
+    if config.model_type not in FAMILIES:
+        raise HftkError("model.model_name_or_path", f"architecture '{config.model_type}' is not supported by "
+                        "strategy sp.", f"use a model of a supported family ({', '.join(FAMILIES)}).")
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if heads % s.sp_size or (kv % s.sp_size and s.sp_size % kv):
+        raise HftkError("strategy.sp_size", f"the model's {heads} attention heads ({kv} key/value heads) do not split "
+                        f"over sp_size {s.sp_size}.", f"choose an sp_size that divides {heads} (and {kv}, or a multiple of it).")
+
+
+def register_ulysses(model: Any, group: Any) -> None:
+    """Route the model's SDPA attention through DeepSpeed's Ulysses adapter on ``group``.
+
+    One adapter per micro-batch size (its shapes are fixed at construction), so evaluation
+    batches of another size work too. The adapter replaces SDPA in transformers' attention
+    registry for this process; the model's config must already select SDPA.
+    """
+    import deepspeed.comm
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if model.config._attn_implementation != ATTENTION:
+        model.set_attn_implementation(ATTENTION)
+    deepspeed.comm.init_distributed(dist_backend=torch.distributed.get_backend())
+    core = ALL_ATTENTION_FUNCTIONS[ATTENTION]
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    adapters: dict[int, UlyssesSPAttentionHF] = {}
+
+    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        batch = query.shape[0]
+        if batch not in adapters:
+            adapters[batch] = UlyssesSPAttentionHF(
+                attn=core, batch_size=batch, attn_head_count=heads,
+                attn_head_size=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                kv_head_count=getattr(config, "num_key_value_heads", None) or heads,
+                num_hidden_layers=config.num_hidden_layers, process_group=group, seq_length_is_variable=True,
+                disable_in_eval=False,
+            )
+        # The mask HF built is for the local slice; causal SDPA over the gathered sequence replaces it.
+        return adapters[batch](module, query, key, value, None, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[ATTENTION] = attention
+
+
+def sequence_slice(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+    """This rank's contiguous slice of every sequence (the attention mask is dropped: causal SDPA replaces it)."""
+    length = batch["input_ids"].shape[1] // size
+    cut = slice(rank * length, (rank + 1) * length)
+    return {k: v[:, cut] for k, v in batch.items() if k != "attention_mask"}
+
+
+def all_reduce_grads(model: torch.nn.Module, group: Any) -> None:
+    """Sum every gradient over ``group`` in flat buckets (each rank holds its tokens' share only)."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for grad in grads + [None]:
+        if grad is not None:
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+        if bucket and (grad is None or size >= BUCKET_BYTES):
+            flat = torch.cat([g.flatten() for g in bucket])
+            dist.all_reduce(flat, group=group)
+            for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(part.view_as(g))
+            bucket, size = [], 0
+
+
+def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
+    """Build the ``(dp, sp)`` mesh, register Ulysses, and say how the loop feeds and combines the ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hftk.engine.mesh_loop import MeshLayout
+
+    sp = cfg.strategy.sp_size
+    mesh = init_device_mesh(device_type, (dist.get_world_size() // sp, sp), mesh_dim_names=("dp", "sp"))
+    sp_rank = mesh["sp"].get_local_rank()
+    if sp > 1:
+        register_ulysses(model, mesh["sp"].get_group())
+    model.train()
+    world = dist.group.WORLD
+    return MeshLayout(
+        model=model,
+        data_rank=mesh["dp"].get_local_rank(),
+        data_size=mesh["dp"].size(),
+        data_groups=[world],  # every rank reads different tokens
+        grad_scale=1.0,  # gradients are summed over all ranks, not averaged
+        describe={"strategy": "sp", "sp_size": sp, "dp_size": mesh["dp"].size(), "family": model.config.model_type,
+                  "attention": ATTENTION},
+        shard_batch=lambda batch: sequence_slice(batch, sp_rank, sp),
+        reduce_grads=lambda: all_reduce_grads(model, world) if dist.get_world_size() > 1 else None,
+    )

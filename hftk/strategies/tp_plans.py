@@ -1,0 +1,183 @@
+"""Tensor-parallel plans: which module of each decoder family is split which way, applied from outside.
+
+Llama, Mistral, Qwen2 and GPT-NeoX ship a plan in their transformers config
+(``base_model_tp_plan``: q/k/v and up/gate projections column-wise, output projections
+row-wise); hftk uses it as is and adds the vocabulary-parallel input embedding and LM head.
+GPT-2 ships none, and its ``Conv1D`` layers (weight stored ``[in, out]``) defeat torch's
+colwise/rowwise styles, which shard ``nn.Linear``. hftk therefore converts GPT-2's four
+``Conv1D`` per block into ``nn.Linear`` from outside the model code, splitting the fused
+``c_attn`` into three projections so q, k and v are each sharded by heads; the export turns
+them back into the original names and shapes (:func:`to_hf_state_dict`).
+
+The attention modules of all these families reshape with ``-1`` heads, so they run on the
+local heads by themselves; GPT-2 splits its fused projection at a width read from the module
+(``split_size``), which :func:`apply_tensor_parallel` sets to the local width.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from hftk.errors import HftkError
+
+# Families whose attention was checked to run on local heads (tests/test_tensor_parallel.py).
+HF_PLAN_FAMILIES = ("llama", "mistral", "qwen2", "gpt_neox")
+# hftk's plan for GPT-2 after :func:`gpt2_to_linear`, relative to the model root.
+GPT2_PLAN = {
+    "transformer.h.*.attn.c_attn.q": "colwise",
+    "transformer.h.*.attn.c_attn.k": "colwise",
+    "transformer.h.*.attn.c_attn.v": "colwise",
+    "transformer.h.*.attn.c_proj": "rowwise",
+    "transformer.h.*.mlp.c_fc": "colwise",
+    "transformer.h.*.mlp.c_proj": "rowwise",
+}
+BASE_PREFIX = {"llama": "model", "mistral": "model", "qwen2": "model", "gpt_neox": "gpt_neox", "gpt2": "transformer"}
+STYLES = ("colwise", "rowwise", "embedding_rowwise")
+
+
+def supported() -> str:
+    return ", ".join(sorted((*HF_PLAN_FAMILIES, "gpt2")))
+
+
+def block_plan(model_config: Any) -> dict[str, str]:
+    """Style per module pattern (relative to the model root) for the decoder blocks of this family."""
+    family = getattr(model_config, "model_type", None)
+    if family == "gpt2":
+        if getattr(model_config, "add_cross_attention", False):
+            raise HftkError("model.model_name_or_path", "GPT-2 with cross-attention has no tensor-parallel plan in hftk.",
+                            "use a decoder-only GPT-2, or strategy fsdp.")
+        return dict(GPT2_PLAN)
+    if family not in HF_PLAN_FAMILIES:
+        raise HftkError("model.model_name_or_path", f"architecture '{family}' has no tensor-parallel plan in hftk.",
+                        f"use a model of a family with a plan ({supported()}), or strategy fsdp / zero3.")
+    plan = {f"{BASE_PREFIX[family]}.{key}": style for key, style in (model_config.base_model_tp_plan or {}).items()}
+    unknown = sorted({s for s in plan.values() if s not in STYLES})
+    if not plan or unknown:
+        raise HftkError("model.model_name_or_path",
+                        f"the '{family}' config's tensor-parallel plan uses styles hftk does not apply: {unknown or 'none'}.",
+                        f"use a model whose plan uses only {', '.join(STYLES)}, or strategy fsdp.")
+    return plan
+
+
+def check_divisible(model_config: Any, tp: int) -> None:
+    """Heads, key/value heads, hidden and MLP widths must split evenly over ``tp`` ranks."""
+    c = model_config
+    heads = c.num_attention_heads
+    hidden = c.hidden_size
+    inner = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
+    sizes = {"attention heads": heads, "hidden size": hidden, "MLP width": inner}
+    kv = getattr(c, "num_key_value_heads", None)
+    if kv:
+        sizes["key/value heads"] = kv
+    for what, value in sizes.items():
+        if value % tp:
+            raise HftkError("strategy.tp_size", f"the model's {what} ({value}) do not split evenly over {tp} ranks.",
+                            f"choose a tp_size that divides {value}.")
+
+
+class FusedQKV(nn.Module):
+    """GPT-2's fused ``c_attn`` as three ``nn.Linear``: each is sharded by heads on its own.
+
+    Its output is the same ``[q | k | v]`` concatenation the attention module splits, so the
+    model code runs unchanged; under tensor parallel each third holds the local heads.
+    """
+
+    def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear) -> None:
+        super().__init__()
+        self.q, self.k, self.v = q, k, v
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q(hidden_states), self.k(hidden_states), self.v(hidden_states)], dim=-1)
+
+
+def _linear(weight_in_out: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` computing ``x @ weight_in_out + bias`` (what ``Conv1D`` computes)."""
+    n_in, n_out = weight_in_out.shape
+    layer = nn.Linear(n_in, n_out, bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight_in_out.detach().t().contiguous())
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().clone())
+    return layer
+
+
+def gpt2_to_linear(model: nn.Module) -> nn.Module:
+    """Replace every block's ``Conv1D`` with ``nn.Linear`` (``c_attn`` with :class:`FusedQKV`), in place."""
+    for block in model.transformer.h:
+        attn, mlp = block.attn, block.mlp
+        w, b = attn.c_attn.weight, attn.c_attn.bias
+        width = attn.split_size
+        attn.c_attn = FusedQKV(*(_linear(w[:, i * width:(i + 1) * width], b[i * width:(i + 1) * width])
+                                 for i in range(3)))
+        attn.c_proj = _linear(attn.c_proj.weight, attn.c_proj.bias)
+        mlp.c_fc = _linear(mlp.c_fc.weight, mlp.c_fc.bias)
+        mlp.c_proj = _linear(mlp.c_proj.weight, mlp.c_proj.bias)
+    return model
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full state dict -> the family's own names and shapes (undoes :func:`gpt2_to_linear`; else as is)."""
+    if not any(key.endswith(".attn.c_attn.q.weight") for key in state):
+        return state
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if ".attn.c_attn." in key:
+            stem, _, leaf = key.rpartition(".")  # ...c_attn.q, weight
+            base, _, part = stem.rpartition(".")
+            if part != "q":
+                continue
+            parts = [state[f"{base}.{p}.{leaf}"] for p in ("q", "k", "v")]
+            out[f"{base}.{leaf}"] = torch.cat(parts, dim=0).t().contiguous() if leaf == "weight" else torch.cat(parts)
+        elif key.endswith(".weight") and any(f".{name}." in key for name in ("c_proj", "c_fc")):
+            out[key] = value.t().contiguous()
+        else:
+            out[key] = value
+    return out
+
+
+def to_parallel_styles(plan: dict[str, str]) -> dict[str, Any]:
+    """hftk/transformers style names -> torch ``ParallelStyle`` objects."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    make = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
+    return {key: make[style]() for key, style in plan.items()}
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Shard ``model`` over ``tp_mesh``: blocks by heads / MLP width, embedding and LM head by vocabulary.
+
+    The LM head keeps its logits sharded on the vocabulary (a ``DTensor``); the loss is computed
+    under ``loss_parallel`` so no rank ever holds the full ``[batch, seq, vocab]`` logits.
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    config = model.config
+    plan = block_plan(config)
+    tp = tp_mesh.size()
+    check_divisible(config, tp)
+    if config.model_type == "gpt2":
+        gpt2_to_linear(model)
+        for block in model.transformer.h:
+            block.attn.split_size //= tp
+            block.attn.num_heads //= tp
+            block.attn.embed_dim //= tp
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    names = {module: name for name, module in model.named_modules()}
+    plan.setdefault(names[embedding], "embedding_rowwise")
+    styles = to_parallel_styles(plan)
+    if head is not None:
+        styles[names[head]] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, styles)
+    if tied:
+        # Both shard the [vocab, hidden] weight on dim 0: one parameter serves both again.
+        head.weight = embedding.weight
+    return model

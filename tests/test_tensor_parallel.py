@@ -1,0 +1,291 @@
+"""Tensor and sequence parallel over gloo: real sharding, parity with one process, exact resume, export.
+
+Every multi-process configuration runs once (module-scoped fixtures); the single-process
+references are the same strategies at degree 1 on one process, i.e. the plain model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, metrics, torchrun
+
+STEPS = 5
+TOL = 1e-5
+LLAMA = ["--model_name_or_path", "builtin:llama-tiny"]
+GPT2 = ["--model_name_or_path", "builtin:gpt2-tiny"]
+COMMON = ["--max_steps", str(STEPS)]
+
+
+def _run(root, name: str, nproc: int, args: list[str]):
+    out = root / name
+    finetune(nproc, [*COMMON, "--output_dir", str(out), *args], timeout=600)
+    return out
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    from hftk.builtin import materialize_model
+
+    for name in ("builtin:llama-tiny", "builtin:neox-tiny"):
+        materialize_model(name)  # once, before ranks race for it
+    return tmp_path_factory.mktemp("tp")
+
+
+@pytest.fixture(scope="module")
+def probe(root):
+    out = root / "probe.json"
+    result = torchrun(2, ROOT / "tests" / "workers" / "tp_probe.py", [str(out)], timeout=600)
+    assert result.returncode == 0, result.output[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def llama_ref(root):
+    return _run(root, "llama_ref", 1, [*LLAMA, "--strategy", "tp", "--per_device_train_batch_size", "4",
+                                       "--save_strategy", "steps", "--save_steps", "3"])
+
+
+@pytest.fixture(scope="module")
+def llama_tp(root):
+    return _run(root, "llama_tp", 2, [*LLAMA, "--strategy", "tp", "--tp_size", "2", "--per_device_train_batch_size", "4",
+                                      "--save_strategy", "steps", "--save_steps", "3"])
+
+
+@pytest.fixture(scope="module")
+def gpt2_ref(root):
+    return _run(root, "gpt2_ref", 1, [*GPT2, "--strategy", "tp", "--per_device_train_batch_size", "4"])
+
+
+@pytest.fixture(scope="module")
+def gpt2_tp(root):
+    return _run(root, "gpt2_tp", 2, [*GPT2, "--strategy", "tp", "--tp_size", "2", "--per_device_train_batch_size", "4"])
+
+
+@pytest.fixture(scope="module")
+def tp_fsdp(root):
+    """2 tensor-parallel x 2 FSDP2 ranks: each FSDP rank reads half of the same global batch of 4."""
+    return _run(root, "tp_fsdp", 4, [*LLAMA, "--strategy", "tp", "--tp_size", "2", "--dp_shard_size", "2",
+                                     "--per_device_train_batch_size", "2"])
+
+
+@pytest.fixture(scope="module")
+def sp_run(root):
+    return _run(root, "sp", 2, [*LLAMA, "--strategy", "sp", "--sp_size", "2", "--per_device_train_batch_size", "4"])
+
+
+def _layout(run) -> dict:
+    return next(m for m in metrics(run) if "layout" in m)
+
+
+def _assert_same_training(ref, run) -> None:
+    expected, got = losses(ref), losses(run)
+    assert sorted(expected) == sorted(got) == list(range(1, STEPS + 1))
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], abs=TOL), step
+    assert expected[STEPS] < expected[1]  # it learns
+    assert max_weight_diff(load_weights(ref / "final"), load_weights(run / "final")) < TOL
+
+
+def _eval_loss(run) -> float:
+    return [m["eval_loss"] for m in metrics(run) if "eval_loss" in m][-1]
+
+
+# ---------------------------------------------------------------- probe: sharding and logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama-tiny", "gpt2-tiny", "neox-tiny", "mistral", "qwen2"])
+def test_weights_are_sharded_and_logits_match_one_process(probe, family):
+    report = probe["tp"][family]
+    assert probe["world_size"] == 2
+    assert report["max_logit_diff"] < TOL
+    assert report["logits_sharded_on_vocab"] and report["local_logits_shape"] == [2, 32, 1024]
+    sharded = report["sharded"]
+    assert len(sharded) >= report["n_params"] // 2, sorted(sharded)
+    for name, shape in sharded.items():
+        expected = list(shape["full"])
+        if shape["placements"] != ["R"]:  # row-parallel biases are replicated DTensors
+            expected[int(shape["placements"][0][2:-1])] //= 2  # "S(0)" / "S(1)"
+        assert shape["local"] == expected, name
+    assert report["tied"] == report["was_tied"]
+
+
+@pytest.mark.slow
+def test_gpt2_fused_qkv_is_split_by_heads(probe):
+    sharded = probe["tp"]["gpt2-tiny"]["sharded"]
+    for part in "qkv":
+        assert sharded[f"transformer.h.0.attn.c_attn.{part}.weight"]["local"] == [32, 64]
+    assert sharded["transformer.h.0.attn.c_proj.weight"]["local"] == [64, 32]
+    assert sharded["transformer.wte.weight"]["local"] == [1024, 64]  # vocabulary-parallel, tied with lm_head
+
+
+@pytest.mark.slow
+def test_sequence_parallel_never_trains_in_eval_mode(probe):
+    sp = probe["sp"]
+    assert not sp["loaded_in_train_mode"]  # from_pretrained hands back eval mode
+    assert sp["train_mode_after_layout"] and sp["train_mode_after_step"]
+    assert sp["train_step_loss"] == pytest.approx(sp["expected"], abs=TOL)
+    assert sp["eval_mode_loss"] == pytest.approx(sp["expected"], abs=TOL)
+    # The trap hftk avoids: accelerate's registration silently changes the loss in eval mode.
+    assert abs(sp["accelerate_eval_mode_loss"] - sp["expected"]) > 1e-4
+
+
+# ---------------------------------------------------------------- training parity
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_tp2_trains_like_one_process(request, model):
+    ref, run = request.getfixturevalue(f"{model}_ref"), request.getfixturevalue(f"{model}_tp")
+    layout = _layout(run)
+    assert layout["layout"]["world_size"] == 2 and layout["layout"]["tp_size"] == 2
+    shapes = layout["local_shapes"]
+    head = "lm_head.weight" if model == "llama" else "transformer.wte.weight"
+    assert shapes[head]["local"] == [1024, 64] and shapes[head]["full"] == [2048, 64]
+    _assert_same_training(ref, run)
+    assert _eval_loss(run) == pytest.approx(_eval_loss(ref), abs=TOL)
+
+
+@pytest.mark.slow
+def test_tp2_x_fsdp2_on_four_ranks_trains_like_one_process(llama_ref, tp_fsdp):
+    layout = _layout(tp_fsdp)
+    assert layout["layout"]["world_size"] == 4
+    assert (layout["layout"]["dp_shard_size"], layout["layout"]["tp_size"]) == (2, 2)
+    q = layout["local_shapes"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q["full"] == [64, 64] and q["local"] == [16, 64] and len(q["placements"]) == 2  # 2-D: FSDP x TP
+    _assert_same_training(llama_ref, tp_fsdp)
+
+
+@pytest.mark.slow
+def test_sp2_ulysses_trains_like_one_process(llama_ref, sp_run):
+    layout = _layout(sp_run)["layout"]
+    assert (layout["world_size"], layout["sp_size"], layout["dp_size"]) == (2, 2, 1)
+    _assert_same_training(llama_ref, sp_run)
+    assert _eval_loss(sp_run) == pytest.approx(_eval_loss(llama_ref), abs=TOL)
+
+
+# ---------------------------------------------------------------- checkpoints and export
+
+
+@pytest.mark.slow
+def test_resume_under_tp_is_exact(llama_tp, tmp_path):
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(llama_tp / "checkpoint-3", resumed / "checkpoint-3")
+    finetune(2, [*COMMON, *LLAMA, "--strategy", "tp", "--tp_size", "2", "--per_device_train_batch_size", "4",
+                 "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"], timeout=600)
+    full, after = losses(llama_tp), losses(resumed)
+    assert sorted(after) == [4, 5]
+    for step in after:
+        assert after[step] == pytest.approx(full[step], abs=1e-6), step
+    assert max_weight_diff(load_weights(llama_tp / "final"), load_weights(resumed / "final")) < 1e-6
+
+
+@pytest.mark.slow
+def test_export_of_a_tp_checkpoint_equals_the_reference(llama_ref, llama_tp, tmp_path):
+    from hftk.export import main as export_main
+
+    assert export_main([str(llama_tp / "checkpoint-3"), str(tmp_path / "tp")]) == 0
+    assert export_main([str(llama_ref / "checkpoint-3"), str(tmp_path / "ref")]) == 0
+    assert max_weight_diff(load_weights(tmp_path / "ref"), load_weights(tmp_path / "tp")) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_final_folder_reloads_with_from_pretrained_and_gives_the_reference_eval_loss(request, model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hftk.data import tokenize_and_pack
+    from hftk.engine.mesh_loop import loss_sum, make_batch, token_count
+    from hftk.modeling import load_tokenizer
+    from hftk.run import prepare
+
+    ref, run = request.getfixturevalue(f"{model}_ref"), request.getfixturevalue(f"{model}_tp")
+    prepared = prepare([*TINY_ARGS, *(LLAMA if model == "llama" else GPT2), "--output_dir", str(tmp_path / "x")])
+    data = tokenize_and_pack(prepared.cfg.data, prepared.raw, load_tokenizer(prepared.cfg.model),
+                             prepared.data_format, prepared.cfg.training["seed"])
+    reloaded = AutoModelForCausalLM.from_pretrained(run / "final").eval()
+    total = tokens = 0.0
+    with torch.no_grad():
+        for start in range(0, len(data.eval), 8):
+            batch = make_batch(data.eval, list(range(start, min(start + 8, len(data.eval)))), "cpu")
+            total += float(loss_sum(reloaded, batch))
+            tokens += float(token_count(batch))
+    assert total / tokens == pytest.approx(_eval_loss(ref), abs=TOL)
+
+
+# ---------------------------------------------------------------- layout conversions (in-process)
+
+
+def test_gpt2_linear_conversion_keeps_outputs_and_maps_back_exactly():
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from hftk.builtin import materialize_model
+    from hftk.strategies.tp_plans import FusedQKV, gpt2_to_linear, to_hf_state_dict
+
+    model = AutoModelForCausalLM.from_pretrained(materialize_model("builtin:gpt2-tiny")).eval()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    converted = gpt2_to_linear(copy.deepcopy(model))
+    assert isinstance(converted.transformer.h[0].attn.c_attn, FusedQKV)
+    ids = torch.randint(0, 2048, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, converted(input_ids=ids).logits, atol=1e-6)
+    back = to_hf_state_dict(converted.state_dict())
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[k], original[k]) for k in original)
+
+
+# ---------------------------------------------------------------- errors before any process group
+
+
+@pytest.fixture()
+def opt_folder(tmp_path):
+    from transformers import OPTConfig
+
+    OPTConfig(vocab_size=2048, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+              max_position_embeddings=256).save_pretrained(tmp_path / "opt")
+    return tmp_path / "opt"
+
+
+ERRORS = [
+    # (id, WORLD_SIZE, args, field named, words the message must contain)
+    ("mesh_not_world", 2, ["--strategy", "tp", "--tp_size", "2", "--dp_shard_size", "2"], "strategy.tp_size", "world size"),
+    ("heads_not_divisible", 3, [*LLAMA, "--strategy", "tp", "--tp_size", "3"], "strategy.tp_size", "heads"),
+    ("no_plan", 2, ["--model_name_or_path", "{opt}", "--strategy", "tp", "--tp_size", "2"], "model.model_name_or_path", "'opt'"),
+    ("tp_with_sp", 4, [*LLAMA, "--strategy", "tp", "--tp_size", "2", "--sp_size", "2"], "strategy.sp_size", "strategy tp"),
+    ("sp_with_tp", 4, [*LLAMA, "--strategy", "sp", "--sp_size", "2", "--tp_size", "2"], "strategy.tp_size", "strategy sp"),
+    ("tp_size_needs_tp", 2, ["--tp_size", "2"], "strategy.tp_size", "--strategy tp"),
+    ("cp_on_cpu", 2, ["--cp_size", "2"], "strategy.cp_size", "GPU"),
+    ("tp_unsupported_option", 2, [*LLAMA, "--strategy", "tp", "--tp_size", "2", "--gradient_checkpointing"],
+     "training.gradient_checkpointing", "supported"),
+    ("tp_lora", 2, [*LLAMA, "--strategy", "tp", "--tp_size", "2", "--lora_r", "8"], "model.lora_r", "LoRA"),
+    ("sp_world", 3, [*LLAMA, "--strategy", "sp", "--sp_size", "2"], "strategy.sp_size", "world size"),
+    ("sp_eager", 2, [*LLAMA, "--strategy", "sp", "--sp_size", "2", "--attn_implementation", "eager"],
+     "model.attn_implementation", "sdpa"),
+    ("sp_family", 2, [*GPT2, "--strategy", "sp", "--sp_size", "2"], "model.model_name_or_path", "'gpt2'"),
+    ("sp_block", 2, [*LLAMA, "--strategy", "sp", "--sp_size", "2", "--block_size", "63"], "data.block_size", "63"),
+]
+
+
+@pytest.mark.parametrize("case_id,world,args,field,words", ERRORS, ids=[e[0] for e in ERRORS])
+def test_bad_layouts_fail_in_one_line_before_any_process_group(case_id, world, args, field, words, opt_folder,
+                                                              tmp_path, monkeypatch, capsys):
+    import torch.distributed as dist
+
+    from hftk.run import main
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    out = tmp_path / "out"
+    args = [a.replace("{opt}", str(opt_folder)) for a in args]
+    assert main(["--output_dir", str(out), *args]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Setting accelerator" not in line]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"hftk: error: {field}:") and words in lines[0] and "Fix:" in lines[0], lines[0]
+    assert not dist.is_initialized() and not out.exists()
