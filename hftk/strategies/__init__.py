@@ -15,7 +15,8 @@ A strategy whose layout the HF Trainer cannot drive names its engine module unde
 ``hftk.engine`` in ``ENGINE`` (default ``"trainer"``). Tensor and sequence parallel (``tp``,
 ``sp``) set ``ENGINE = "mesh_loop"`` and answer ``validate`` plus
 ``layout(model, cfg, device_type) -> MeshLayout`` (see :mod:`hftk.engine.mesh_loop`) instead of
-the Trainer hooks.
+the Trainer hooks. Pipeline (``pipeline``) sets ``ENGINE = "loop"`` (:mod:`hftk.engine.loop`:
+the Trainer's own state, callbacks, optimizer and scheduler around a pipeline schedule).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ MODULES = {
     "ddp": "hftk.strategies.ddp",
     "tp": "hftk.strategies.tensor",
     "sp": "hftk.strategies.sequence",
+    "pipeline": "hftk.strategies.pipeline",
 }
 
 

@@ -1,0 +1,547 @@
+"""Pipeline parallelism for GPT-style Hub models with ``torch.distributed.pipelining``.
+
+The HF model is cut along its own structure (:mod:`hftk.layout`): embeddings -> decoder
+blocks -> final norm -> LM head, into contiguous stages balanced by parameter count. Each
+stage is a small :class:`DecoderStage` that calls the model's own submodules the way the
+model's forward does (position ids, rotary embeddings and the causal mask are rebuilt per
+stage), so the model code is never edited. Schedules: GPipe, 1F1B and interleaved 1F1B
+(``pp_virtual_stages`` stages per rank, stage ``s`` on pipeline rank ``s % pp_size``).
+
+Layout of the processes: a ``(dp, pp)`` device mesh; ranks ``d*pp .. d*pp+pp-1`` form
+replica ``d``. Gradients are summed over the data-parallel group of each stage, and a
+tied input/output embedding (first and last stage) is summed over a two-rank group, so
+the update equals the single-process one. Every loss is divided by the token count of the
+whole optimizer step (all micro-batches, accumulation steps and replicas), as the Trainer
+does with ``num_items_in_batch``; gradients are therefore summed, never averaged.
+
+The Trainer cannot drive a pipeline: ``ENGINE`` names the loop that does
+(:mod:`hftk.engine.loop`). Checkpoints hold one safetensors file per stage under the
+full model's parameter names (``stage-NN.safetensors``), one optimizer state per pipeline
+rank, and ``pipeline.json``; :func:`pipeline_state_dict` merges them for the export.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hftk.config import RunConfig, StrategyConfig
+from hftk.errors import HftkError
+from hftk.layout import FAMILIES, DecoderLayout, layout, supported_families
+
+ENGINE = "loop"  # hftk.engine.loop
+MANIFEST = "pipeline.json"
+STAGE_FILE = "stage-{:02d}.safetensors"
+OPTIMIZER_FILE = "optimizer-pp{:02d}.pt"
+BUCKET_ELEMENTS = 1 << 24  # gradients are all-reduced in flat buckets of at most this many elements
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (before any process group exists)
+# ---------------------------------------------------------------------------------------------
+
+def stages_per_rank(s: StrategyConfig) -> int:
+    return s.pp_virtual_stages if s.pp_schedule == "interleaved_1f1b" else 1
+
+
+def validate(cfg: RunConfig, world_size: int) -> None:
+    """Every pipeline-specific mistake, named, before any process starts training."""
+    from hftk.modeling import load_model_config
+
+    s, t = cfg.strategy, cfg.training
+    if s.pp_size < 2:
+        raise HftkError("strategy.pp_size", f"pipeline needs at least 2 stages, got {s.pp_size}.",
+                        "set --pp_size 2 or more (or use --strategy ddp for one stage).")
+    if world_size % s.pp_size:
+        raise HftkError("strategy.pp_size", f"the world size {world_size} is not a multiple of pp_size {s.pp_size}.",
+                        f"launch a multiple of {s.pp_size} processes (pp_size x data-parallel replicas).")
+    _refuse_combinations(cfg)
+    batch = t.get("per_device_train_batch_size", 8)
+    m = s.pp_microbatches
+    if m < 1 or batch % m:
+        raise HftkError("strategy.pp_microbatches", f"{m} micro-batches do not divide the per-replica batch of {batch}.",
+                        "choose pp_microbatches dividing training.per_device_train_batch_size.")
+    if s.pp_schedule == "1f1b" and m < s.pp_size:
+        raise HftkError("strategy.pp_microbatches", f"1F1B needs at least as many micro-batches as stages ({m} < {s.pp_size}).",
+                        f"set pp_microbatches >= {s.pp_size}, or use --pp_schedule gpipe.")
+    if s.pp_schedule == "interleaved_1f1b":
+        if s.pp_virtual_stages < 2:
+            raise HftkError("strategy.pp_virtual_stages", f"interleaved 1F1B needs >= 2 stages per rank, got {s.pp_virtual_stages}.",
+                            "set --pp_virtual_stages 2 or more, or use --pp_schedule 1f1b.")
+        rounds = max(1, m // s.pp_size)
+        if m % rounds:
+            raise HftkError("strategy.pp_microbatches", f"interleaved 1F1B runs {m} micro-batches in rounds of "
+                            f"{s.pp_size}; {m} is not a multiple of {rounds} rounds.",
+                            f"use a multiple of pp_size ({s.pp_size}) or fewer micro-batches than pp_size.")
+    model_config = load_model_config(cfg.model)
+    model_type = getattr(model_config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise HftkError("model.model_name_or_path", f"pipeline parallelism does not know the architecture '{model_type}'.",
+                        f"use a model of a supported family ({supported_families()}).")
+    layers = model_config.num_hidden_layers
+    stages = s.pp_size * stages_per_rank(s)
+    if stages > layers:
+        name = "strategy.pp_virtual_stages" if stages_per_rank(s) > 1 else "strategy.pp_size"
+        raise HftkError(name, f"{stages} pipeline stages but the model has only {layers} decoder layers "
+                        "(each stage needs at least one).",
+                        f"use at most {layers} stages in all (pp_size x pp_virtual_stages).")
+    _check_resume_layout(cfg, world_size)
+
+
+def _refuse_combinations(cfg: RunConfig) -> None:
+    s, t = cfg.strategy, cfg.training
+    other = {"strategy.tp_size": s.tp_size, "strategy.sp_size": s.sp_size, "strategy.cp_size": s.cp_size,
+             "strategy.dp_shard_size": s.dp_shard_size}
+    for name, value in other.items():
+        if value != 1:
+            raise HftkError(name, f"is {value}, but pipeline runs replicate each stage (no tensor, sequence, context "
+                            "or FSDP sharding inside a stage).", f"set {name.split('.')[1]} to 1 with --strategy pipeline.")
+    if t.get("deepspeed"):
+        raise HftkError("training.deepspeed", "DeepSpeed ZeRO cannot be combined with hftk's pipeline engine.",
+                        "drop --deepspeed, or use --strategy zero1/zero2/zero3 without pipeline.")
+    if t.get("fsdp"):
+        raise HftkError("training.fsdp", "FSDP cannot be combined with hftk's pipeline engine.",
+                        "drop --fsdp, or use --strategy fsdp without pipeline.")
+    if s.grad_compression != "none" or s.hierarchical_allreduce:
+        name = "strategy.grad_compression" if s.grad_compression != "none" else "strategy.hierarchical_allreduce"
+        raise HftkError(name, "gradient compression hooks are DDP hooks; the pipeline engine all-reduces its own "
+                        "per-stage gradients.", "leave it off with --strategy pipeline.")
+    if cfg.model.lora_r:
+        raise HftkError("model.lora_r", "LoRA is not supported with the pipeline engine.",
+                        "set lora_r 0, or use --strategy ddp/fsdp for LoRA.")
+    if t.get("fp16"):
+        raise HftkError("training.fp16", "the pipeline engine has no fp16 loss scaler.", "use --bf16 instead.")
+    if t.get("push_to_hub"):
+        raise HftkError("training.push_to_hub", "the pipeline engine does not push during training.",
+                        "train, then push the consolidated folder: `hftk push OUTPUT_DIR/final REPO_ID`.")
+    if t.get("load_best_model_at_end") or t.get("save_strategy") == "best":
+        name = "training.load_best_model_at_end" if t.get("load_best_model_at_end") else "training.save_strategy"
+        raise HftkError(name, "the pipeline engine keeps the newest checkpoints, not the best one.",
+                        "use save_strategy steps or epoch without load_best_model_at_end.")
+
+
+def _check_resume_layout(cfg: RunConfig, world_size: int) -> None:
+    """A pipeline checkpoint can only continue with the same stages, replicas and schedule."""
+    from hftk.checkpoint import resolve_resume
+
+    resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))
+    if not resume or not (Path(resume) / MANIFEST).is_file():
+        return
+    saved = json.loads((Path(resume) / MANIFEST).read_text())
+    wanted = {"pp_size": cfg.strategy.pp_size, "dp_size": world_size // cfg.strategy.pp_size,
+              "num_stages": cfg.strategy.pp_size * stages_per_rank(cfg.strategy)}
+    diff = {k: (saved.get(k), v) for k, v in wanted.items() if saved.get(k) != v}
+    if diff:
+        said = ", ".join(f"{k} {a} (checkpoint) vs {b} (this run)" for k, (a, b) in diff.items())
+        raise HftkError("training.resume_from_checkpoint", f"{resume} was written by another pipeline layout: {said}.",
+                        "resume with the same pp_size, schedule/virtual stages and number of processes, or export it "
+                        "with `hftk export` and start a new run from the exported folder.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage split
+# ---------------------------------------------------------------------------------------------
+
+def _numel(module: nn.Module | None) -> int:
+    return sum(p.numel() for p in module.parameters()) if module is not None else 0
+
+
+def split_blocks(block_sizes: list[int], head: int, tail: int, n_stages: int) -> list[range]:
+    """Contiguous block ranges, one per stage, minimising the largest stage's parameter count.
+
+    ``head`` (embeddings) counts on the first stage and ``tail`` (final norm + LM head, a tied
+    head included: its matmul runs there) on the last. Every stage gets at least one block.
+    Exact dynamic programme over split points, ties broken towards earlier cuts.
+    """
+    n = len(block_sizes)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"cannot split {n} blocks into {n_stages} stages")
+    prefix = [0]
+    for size in block_sizes:
+        prefix.append(prefix[-1] + size)
+
+    def cost(stage: int, a: int, b: int) -> int:
+        return prefix[b] - prefix[a] + (head if stage == 0 else 0) + (tail if stage == n_stages - 1 else 0)
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, n_stages + 1):
+        for i in range(k, n - (n_stages - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], cost(k - 1, j, i))
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    bounds, i = [], n
+    for k in range(n_stages, 0, -1):
+        bounds.append(range(cut[k][i], i))
+        i = cut[k][i]
+    return bounds[::-1]
+
+
+def plan_stages(parts: DecoderLayout, n_stages: int) -> list[range]:
+    """Which decoder blocks each of ``n_stages`` stages runs, balanced by parameter count."""
+    head = _numel(parts.token_embedding) + _numel(parts.position_embedding)
+    tail = _numel(parts.final_norm) + parts.lm_head.weight.numel() + (
+        parts.lm_head.bias.numel() if getattr(parts.lm_head, "bias", None) is not None else 0)
+    return split_blocks([_numel(b) for b in parts.blocks], head, tail, n_stages)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage modules
+# ---------------------------------------------------------------------------------------------
+
+def _attention_kind(config: Any, layer_index: int) -> str:
+    """Which mask a block needs: per-layer types (Qwen2), Mistral's sliding window, else full causal."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[layer_index]
+    if config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        return "sliding_attention"
+    return "full_attention"
+
+
+class DecoderStage(nn.Module):
+    """One stage: [embeddings] -> blocks -> [final norm + LM head], as the HF backbone runs them.
+
+    Holds references to the model's own submodules (no copies); ``names`` maps each of its
+    state-dict keys to the full model's name, so per-stage checkpoints merge into one model.
+    """
+
+    def __init__(self, parts: DecoderLayout, config: Any, blocks: range, first: bool, last: bool,
+                 qualnames: dict[int, str]) -> None:
+        super().__init__()
+        self.config = config
+        self.first, self.last = first, last
+        self.block_indices = list(blocks)
+        self.kinds = [_attention_kind(config, i) for i in self.block_indices]
+        self.blocks = nn.ModuleList(parts.blocks[i] for i in self.block_indices)
+        self.embed = parts.token_embedding if first else None
+        self.position_embed = parts.position_embedding if first else None
+        self.embed_dropout = parts.embedding_dropout if first else None
+        self.rotary = parts.rotary
+        self.norm = parts.final_norm if last else None
+        self.head = parts.lm_head if last else None
+        owned = [(f"blocks.{j}", block) for j, block in enumerate(self.blocks)]
+        owned += [(local, m) for local, m in self.named_children() if local not in ("blocks", "rotary")]
+        self.names = {f"{local}.{key}": f"{qualnames[id(module)]}.{key}"
+                      for local, module in owned for key in module.state_dict()}
+
+    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        hidden = self.embed(inputs) if self.first else inputs
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        if self.position_embed is not None:
+            hidden = hidden + self.position_embed(position_ids).to(hidden.device)
+        if self.embed_dropout is not None:
+            hidden = self.embed_dropout(hidden)
+        mask_args = dict(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
+                         position_ids=position_ids)
+        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        masks = {kind: makers[kind](**mask_args) for kind in set(self.kinds)}
+        extra = {"position_embeddings": self.rotary(hidden, position_ids)} if self.rotary is not None else {}
+        for block, kind in zip(self.blocks, self.kinds):
+            hidden = block(hidden, attention_mask=masks[kind], position_ids=position_ids, **extra)
+        if self.last:
+            return self.head(self.norm(hidden))
+        return hidden
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's tensors under the full model's names."""
+        return {self.names[k]: v for k, v in self.state_dict().items() if k in self.names}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing = [full for full in self.names.values() if full not in state]
+        if missing:
+            raise HftkError("training.resume_from_checkpoint", f"the stage file lacks {missing[:3]}.",
+                            "resume from a complete checkpoint written by the same model.")
+        self.load_state_dict({local: state[full] for local, full in self.names.items()}, strict=False)
+
+
+def build_stages(model: nn.Module, n_stages: int) -> list[DecoderStage]:
+    """All ``n_stages`` stage modules of ``model`` (each process then keeps only its own)."""
+    parts = layout(model)
+    qualnames: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        qualnames.setdefault(id(module), name)
+    plan = plan_stages(parts, n_stages)
+    return [DecoderStage(parts, model.config, blocks, i == 0, i == n_stages - 1, qualnames)
+            for i, blocks in enumerate(plan)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Process layout
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Topology:
+    """Where this rank sits in the ``(dp, pp)`` mesh and the groups it talks over."""
+
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    pp_group: Any
+    dp_group: Any
+    tie_group: Any  # first + last pipeline rank of this replica; None on the other ranks
+    device: torch.device
+
+    @property
+    def holds_first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def holds_last(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def topology(pp_size: int, device: torch.device) -> Topology:
+    """Build the mesh and groups (every rank must call this, in the same order)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    dp_size = world // pp_size
+    if device.type == "cpu":
+        device = torch.device("cpu")  # accelerate says "cpu:0", which torch.load and safetensors refuse
+    mesh = init_device_mesh(device.type, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
+    tie_group = None
+    for replica in range(dp_size):  # new_group is collective: every rank creates every pair
+        pair = [replica * pp_size, replica * pp_size + pp_size - 1]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            tie_group = group
+    return Topology(pp_rank=mesh.get_local_rank("pp"), pp_size=pp_size, dp_rank=mesh.get_local_rank("dp"),
+                    dp_size=dp_size, pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"),
+                    tie_group=tie_group, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime: stages + schedule + gradient synchronisation
+# ---------------------------------------------------------------------------------------------
+
+class TokenLoss:
+    """The model's own causal-LM loss, divided by the token count of the whole optimizer step.
+
+    ``divisor`` is set before every schedule step (training: tokens of all micro-batches,
+    accumulation steps and replicas; evaluation: 1, i.e. a sum).
+    """
+
+    def __init__(self, loss_function: Any, vocab_size: int) -> None:
+        self.loss_function = loss_function
+        self.vocab_size = vocab_size
+        self.divisor: torch.Tensor | float = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
+                                  num_items_in_batch=self.divisor)
+
+
+@dataclass
+class PipelineRuntime:
+    topo: Topology
+    stages: list[DecoderStage]  # this rank's stages, in stage order
+    stage_indices: list[int]
+    num_stages: int
+    schedule: Any
+    loss: TokenLoss
+    microbatches: int
+    tied_names: tuple[str, str] | None  # (input embedding, LM head) full names when tied
+    autocast_dtype: torch.dtype | None = None
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+
+    @property
+    def holds_first(self) -> bool:
+        return self.stage_indices[0] == 0
+
+    @property
+    def holds_last(self) -> bool:
+        return self.stage_indices[-1] == self.num_stages - 1
+
+
+def schedule_class(name: str) -> type:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[name]
+
+
+def build_runtime(model: nn.Module, s: StrategyConfig, topo: Topology, bf16: bool = False) -> PipelineRuntime:
+    """Cut ``model``, keep this rank's stages, wrap them in ``PipelineStage`` and a schedule."""
+    from torch.distributed.pipelining import PipelineStage
+
+    per_rank = stages_per_rank(s)
+    n_stages = s.pp_size * per_rank
+    all_stages = build_stages(model, n_stages)
+    indices = [topo.pp_rank + v * s.pp_size for v in range(per_rank)]
+    mine = [all_stages[i].to(topo.device) for i in indices]
+    parts = layout(model)
+    tied = None
+    if parts.tied:
+        tied = (all_stages[0].names["embed.weight"], all_stages[-1].names["head.weight"])
+    pipe_stages = [PipelineStage(stage, i, n_stages, topo.device, group=topo.pp_group) for stage, i in zip(mine, indices)]
+    loss = TokenLoss(model.loss_function, model.config.vocab_size)
+    cls = schedule_class(s.pp_schedule)
+    target = pipe_stages if per_rank > 1 else pipe_stages[0]
+    schedule = cls(target, n_microbatches=s.pp_microbatches, loss_fn=loss, scale_grads=False)
+    params = [(stage.names[local], p) for stage in mine for local, p in stage.named_parameters()]
+    return PipelineRuntime(topo=topo, stages=mine, stage_indices=indices, num_stages=n_stages, schedule=schedule,
+                           loss=loss, microbatches=s.pp_microbatches, tied_names=tied,
+                           autocast_dtype=torch.bfloat16 if bf16 else None, params=params)
+
+
+def _schedule_inputs(rt: PipelineRuntime, batch: dict[str, torch.Tensor]) -> tuple[tuple, dict]:
+    device = rt.topo.device
+    args = (batch["input_ids"].to(device),) if rt.holds_first else ()
+    kwargs: dict[str, Any] = {"attention_mask": batch["attention_mask"].to(device)}
+    if rt.holds_last:
+        kwargs["target"] = batch["labels"].to(device)
+        kwargs["losses"] = []
+    return args, kwargs
+
+
+def _autocast(rt: PipelineRuntime) -> Any:
+    return torch.autocast(rt.topo.device.type, dtype=rt.autocast_dtype, enabled=rt.autocast_dtype is not None)
+
+
+def forward_backward(rt: PipelineRuntime, batch: dict[str, torch.Tensor], divisor: torch.Tensor) -> torch.Tensor:
+    """One batch through the pipeline, gradients accumulated; returns this rank's loss sum (0 off the last stage)."""
+    for stage in rt.stages:
+        stage.train()
+    rt.loss.divisor = divisor
+    args, kwargs = _schedule_inputs(rt, batch)
+    with _autocast(rt):
+        rt.schedule.step(*args, return_outputs=False, **kwargs)
+    losses = kwargs.get("losses")
+    return torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=rt.topo.device)
+
+
+def evaluate_batch(rt: PipelineRuntime, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed token loss of one batch on the last stage (0 elsewhere)."""
+    for stage in rt.stages:
+        stage.eval()
+    rt.loss.divisor = 1.0
+    args, kwargs = _schedule_inputs(rt, batch)
+    with torch.no_grad(), _autocast(rt):
+        rt.schedule.eval(*args, return_outputs=False, **kwargs)
+    losses = kwargs.get("losses")
+    return torch.stack(losses).sum().float() if losses else torch.zeros((), device=rt.topo.device)
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
+    """Sum ``tensors`` over ``group`` in a few flat buckets instead of one call per tensor."""
+    start = 0
+    while start < len(tensors):
+        end, size = start, 0
+        while end < len(tensors) and (end == start or size + tensors[end].numel() <= BUCKET_ELEMENTS):
+            size += tensors[end].numel()
+            end += 1
+        bucket = tensors[start:end]
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+        start = end
+
+
+def reduce_gradients(rt: PipelineRuntime) -> None:
+    """Sum gradients over the replicas of each stage, then the tied embedding over its two stages."""
+    for _, p in rt.params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if rt.topo.dp_size > 1:
+        _all_reduce_flat([p.grad for _, p in rt.params], rt.topo.dp_group)
+    if rt.tied_names is not None and rt.topo.tie_group is not None:
+        name = rt.tied_names[0] if rt.holds_first else rt.tied_names[1]
+        (tied,) = [p for n, p in rt.params if n == name]
+        dist.all_reduce(tied.grad, group=rt.topo.tie_group)
+
+
+def clip_gradients(rt: PipelineRuntime, max_norm: float | None) -> torch.Tensor:
+    """Global L2 norm over every stage (the tied weight counted once) and clip like ``clip_grad_norm_``."""
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    skip = rt.tied_names[1] if rt.tied_names is not None and rt.holds_last else None
+    grads = [p.grad for n, p in rt.params if n != skip]
+    local = get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=rt.topo.device)
+    squared = local.float().pow(2).reshape(1)
+    dist.all_reduce(squared, group=rt.topo.pp_group)
+    total = squared.sqrt()[0]
+    if max_norm is not None and max_norm > 0:
+        clip_grads_with_norm_([p for _, p in rt.params], max_norm, total)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# State: per-stage checkpoints and their consolidation
+# ---------------------------------------------------------------------------------------------
+
+def manifest(rt: PipelineRuntime, schedule: str) -> dict[str, Any]:
+    return {"pp_size": rt.topo.pp_size, "dp_size": rt.topo.dp_size, "num_stages": rt.num_stages,
+            "schedule": schedule, "microbatches": rt.microbatches,
+            "stage_ranks": {str(i): i % rt.topo.pp_size for i in range(rt.num_stages)},
+            "tied": list(rt.tied_names) if rt.tied_names else None}
+
+
+def save_state(rt: PipelineRuntime, optimizer: torch.optim.Optimizer | None, folder: Path) -> None:
+    """Replica 0 writes its stages' weights and its optimizer state (replicas are identical)."""
+    from safetensors.torch import save_file
+
+    if rt.topo.dp_rank != 0:
+        return
+    for index, stage in zip(rt.stage_indices, rt.stages):
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in stage.full_state_dict().items()}
+        save_file(tensors, str(folder / STAGE_FILE.format(index)), metadata={"format": "pt"})
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE.format(rt.topo.pp_rank))
+
+
+def load_state(rt: PipelineRuntime, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Every replica reads the stage files and optimizer state of its pipeline rank."""
+    from safetensors.torch import load_file
+
+    for index, stage in zip(rt.stage_indices, rt.stages):
+        stage.load_full_state_dict(load_file(str(folder / STAGE_FILE.format(index))))  # copied onto the device
+    state = torch.load(folder / OPTIMIZER_FILE.format(rt.topo.pp_rank), map_location=rt.topo.device, weights_only=True)
+    optimizer.load_state_dict(state)
+
+
+def is_pipeline_checkpoint(path: Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def pipeline_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Merge every stage file of a pipeline checkpoint into one full state dict (export)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    info = json.loads((path / MANIFEST).read_text())
+    state: dict[str, torch.Tensor] = {}
+    for index in range(info["num_stages"]):
+        file = path / STAGE_FILE.format(index)
+        if not file.is_file():
+            raise HftkError("CHECKPOINT", f"{path} lacks {file.name} of stage {index}/{info['num_stages']}.",
+                            "pass a complete checkpoint (every stage's file is written before trainer_state.json).")
+        state.update(load_file(str(file)))
+    if info.get("tied"):
+        embed, head = info["tied"]
+        if not torch.equal(state[embed], state[head]):
+            diff = float((state[embed].float() - state[head].float()).abs().max())
+            raise HftkError("CHECKPOINT", f"the tied copies {embed} and {head} differ by {diff:.3g}.",
+                            "this checkpoint is damaged; export an earlier one.")
+        del state[head]
+    return state
+
+
+def microbatch_rows(batch_rows: int, microbatches: int) -> int:
+    """Rows a padded batch needs so that it splits into equal micro-batches."""
+    return math.ceil(batch_rows / microbatches) * microbatches
