@@ -133,6 +133,10 @@ class StrategyConfig:
     powersgd_rank: int = _opt(4, "PowerSGD: rank of the low-rank approximation.")
     powersgd_warmup_steps: int = _opt(10, "PowerSGD: uncompressed steps before compression starts.")
     topk_ratio: float = _opt(0.01, "Top-k: fraction of gradient entries sent each step.")
+    topk_warmup_steps: int = _opt(
+        10, "Top-k: uncompressed steps before sparsification starts (the early, large gradient changes are "
+        "otherwise delayed by error feedback and training falls behind)."
+    )
     hierarchical_allreduce: bool = _opt(False, "Reduce inside a node, all-reduce among node leaders, broadcast back.")
 
 
@@ -160,6 +164,7 @@ class HubConfig:
     """Pushing the result to the Hugging Face Hub (push_to_hub / hub_model_id / hub_strategy live in training)."""
 
     hub_upload_retries: int = _opt(5, "Attempts per upload before it is reported as failed (training goes on).")
+    hub_retry_backoff_s: float = _opt(2.0, "Wait before the second upload attempt; it doubles for each further attempt.")
     hub_push_merged: bool = _opt(False, "With LoRA: push the merged full model instead of the adapter.")
 
 

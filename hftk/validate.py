@@ -15,6 +15,7 @@ import torch
 from hftk.comm.register import validate as check_compression
 from hftk.config import RunConfig
 from hftk.errors import HftkError
+from hftk.resilience import check_restartable
 
 
 def launch_world_size() -> int:
@@ -68,6 +69,7 @@ def check_config(cfg: RunConfig) -> None:
     if cfg.hub.hub_upload_retries < 1:
         raise HftkError("hub.hub_upload_retries", "must be at least 1.", "set it to 1 or more (default 5).")
     check_compression(cfg.strategy, launch_world_size(), dict(os.environ))
+    check_restartable(dict(os.environ))
     _check_parallel_degrees(cfg)
     _check_output_dir(cfg)
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from tests.helpers import ROOT, free_port
+
 SUBNET = "10.77.{n}.{host}"
 
 
@@ -90,3 +92,25 @@ def node_command(host: Host, main: Host, node_rank: int, nnodes: int, nproc: int
            f"--node_rank={node_rank}", f"--master_addr={main.name if main.netns else main.address}",
            f"--master_port={port}", *(extra or []), str(script), *args]
     return host.wrap(cmd)
+
+
+def run_on_two_hosts(script: Path, args: list[str], nproc: int, timeout: float = 420) -> list[str]:
+    """A 2-node job, ``nproc`` ranks per node: one torchrun per host, both at once; their outputs.
+
+    Fails with the output's tail when either node fails; kills both process groups on a timeout.
+    """
+    with two_hosts() as (a, b):
+        port = free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        procs = [subprocess.Popen(node_command(host, a, rank, 2, nproc, port, script, args), env=env, cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                 for rank, host in enumerate((a, b))]
+        try:
+            outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, 9)
+        for proc, text in zip(procs, outputs):
+            assert proc.returncode == 0, text[-5000:]
+    return outputs

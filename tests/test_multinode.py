@@ -3,13 +3,10 @@ equal a single-node run with the same global batch."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 
-from tests.helpers import FINETUNE, TINY_ARGS, finetune, free_port, losses, metrics
-from tests.netns import node_command, two_hosts
+from tests.helpers import FINETUNE, TINY_ARGS, finetune, losses, metrics
+from tests.netns import run_on_two_hosts
 
 pytestmark = pytest.mark.slow
 STEPS = 5
@@ -18,25 +15,10 @@ GLOBAL_BATCH = 8
 
 def run_two_nodes(out, nproc: int, args: list[str], timeout: float = 420) -> None:
     """One torchrun per host, both writing to one output dir (a shared file system)."""
-    with two_hosts() as (a, b):
-        port = free_port()
-        per_rank = GLOBAL_BATCH // (2 * nproc)
-        full = [*TINY_ARGS, "--max_steps", str(STEPS), "--output_dir", str(out), "--check_sync_steps", "1",
-                "--per_device_train_batch_size", str(per_rank), *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        procs = [subprocess.Popen(node_command(host, a, rank, 2, nproc, port, FINETUNE, full), env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-                 for rank, host in enumerate((a, b))]
-        outputs = []
-        try:
-            for proc in procs:
-                outputs.append(proc.communicate(timeout=timeout)[0])
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, 9)
-        for proc, text in zip(procs, outputs):
-            assert proc.returncode == 0, text[-5000:]
+    per_rank = GLOBAL_BATCH // (2 * nproc)
+    full = [*TINY_ARGS, "--max_steps", str(STEPS), "--output_dir", str(out), "--check_sync_steps", "1",
+            "--per_device_train_batch_size", str(per_rank), *args]
+    run_on_two_hosts(FINETUNE, full, nproc, timeout)
 
 
 @pytest.fixture(scope="module")

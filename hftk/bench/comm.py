@@ -1,0 +1,152 @@
+"""``hftk bench comm``: every gradient-compression hook side by side, in one launch.
+
+One DDP replica per hook trains from the same weights on the same batches, the hooks taking
+turns step by step (see :mod:`hftk.bench.comm_worker`), so load on a shared machine falls on
+all of them alike. Per hook: step time, communication share of the step, bytes each rank sends
+per step and the ratio to an fp32 all-reduce, and the loss after N steps. Communication time
+comes from the hooks' own counters (the union of the intervals in which a collective was in
+flight: :mod:`hftk.comm.accounting`), and the *exposed* part from the time backward kept
+waiting after its last bucket was handed over; never from subtracting a ``no_sync`` run, whose
+difference drowns in the noise. Warm-up steps (uncompressed, for PowerSGD and top-k) and the
+first steps are not timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hftk.bench.charts import figure, fmt_spread, save
+from hftk.bench.launch import DEFAULT_MODEL, Machine, free_port, threads_per_rank
+from hftk.bench.stats import spread
+
+HOOKS = ("none", "fp16", "bf16", "powersgd", "topk")
+
+
+def run_comm_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, steps: int = 30,
+                   block_size: int = 128, micro_batch: int = 8, bucket_cap_mb: float = 25.0,
+                   warmup_steps: int = 5, powersgd_rank: int = 4, topk_ratio: float = 0.01,
+                   hooks: tuple[str, ...] = HOOKS, timeout: float = 1200) -> dict[str, Any]:
+    """Launch one interleaved run of ``hooks`` on ``nproc`` ranks; summarise, tabulate and chart it.
+
+    ``warmup_steps`` uncompressed steps start PowerSGD and top-k; timing starts two steps later.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    job = {"name": "bench", "model": model, "hooks": list(hooks), "steps": steps, "block_size": block_size,
+           "batch": micro_batch, "bucket_cap_mb": bucket_cap_mb, "powersgd_rank": powersgd_rank,
+           "powersgd_warmup_steps": warmup_steps, "topk_ratio": topk_ratio, "topk_warmup_steps": warmup_steps,
+           "interleave": True}
+    first_timed = warmup_steps + 2
+    if steps <= first_timed:
+        raise ValueError(f"steps must exceed warmup_steps + 2 = {first_timed} to time compressed steps")
+    machine = Machine.here()
+    before = list(os.getloadavg())
+    raw, wall = launch_worker(nproc, {"jobs": [job]}, out_dir, timeout)
+    after = list(os.getloadavg())
+    rows = {r["hook"]: summarise(r, first_timed) for r in raw}
+    result: dict[str, Any] = {
+        "nproc": nproc, "model": model, "params": raw[0]["params"], "steps": steps, "timed_steps": steps - first_timed,
+        "block_size": block_size, "micro_batch_per_rank": micro_batch, "bucket_cap_mb": bucket_cap_mb,
+        "warmup_steps": warmup_steps, "powersgd_rank": powersgd_rank, "topk_ratio": topk_ratio,
+        "threads_per_rank": threads_per_rank(nproc), "launch_wall_s": wall, "machine": machine.__dict__,
+        "loadavg_before": before, "loadavg_after": after, "hooks": rows,
+    }
+    (out_dir / "comm.json").write_text(json.dumps(result, indent=1))
+    result["table"] = table(result)
+    result["charts"] = [chart(result, out_dir / "comm.png")]
+    return result
+
+
+def launch_worker(nproc: int, plan: dict[str, Any], work_dir: Path, timeout: float) -> tuple[list[dict[str, Any]], float]:
+    """torchrun ``hftk.bench.comm_worker`` on loopback under a hard timeout; its results and wall time."""
+    plan_path, out_path, log_path = work_dir / "plan.json", work_dir / "raw.json", work_dir / "log.txt"
+    plan_path.write_text(json.dumps(plan, indent=1))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "hftk.bench.comm_worker",
+           "--plan", str(plan_path), "--out", str(out_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(nproc)), "TOKENIZERS_PARALLELISM": "false"}
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    if code != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
+        why = f"timed out after {timeout:.0f}s" if code is None else f"failed with exit code {code}"
+        raise RuntimeError(f"comm bench launch {why} ({work_dir}):\n{tail}")
+    return json.loads(out_path.read_text()), time.perf_counter() - start
+
+
+def summarise(run: dict[str, Any], first_timed: int) -> dict[str, Any]:
+    """Medians (with spread) over the timed steps of one hook's records (rank 0's view)."""
+    timed = run["records"][first_timed:]
+    return {
+        "step_time_s": spread([r["wall_s"] for r in timed]),
+        "cpu_time_s": spread([r["cpu_s"] for r in timed]),
+        "comm_share": spread([r["comm_time_s"] / r["wall_s"] for r in timed]),
+        "exposed_comm_share": spread([r["exposed_comm_s"] / r["wall_s"] for r in timed]),
+        "bytes_per_step": timed[-1]["comm_bytes_per_step"],
+        "compression_ratio": timed[-1]["comm_compression_ratio"],
+        "collectives_per_step": timed[-1]["comm_collectives_per_step"],
+        "buckets": timed[-1]["comm_buckets"],
+        "final_train_loss": run["records"][-1]["loss"],
+        "eval_loss": run["eval_loss"],
+        "losses": [r["loss"] for r in run["records"]],
+    }
+
+
+def table(result: dict[str, Any]) -> dict[str, Any]:
+    rows = []
+    for hook, s in result["hooks"].items():
+        rows.append([hook, fmt_spread(s["step_time_s"], 3), fmt_spread(_percent(s["comm_share"])),
+                     fmt_spread(_percent(s["exposed_comm_share"])), f"{s['bytes_per_step'] / 2**20:.3f}",
+                     f"{s['compression_ratio']:.1f}x", f"{s['eval_loss']:.3f}"])
+    load = f"load avg {result['loadavg_before'][0]:.1f} -> {result['loadavg_after'][0]:.1f}"
+    return {"title": f"Gradient compression, {result['model']} ({result['params'] / 1e6:.1f}M params), "
+                     f"{result['nproc']} ranks, {result['timed_steps']} timed steps of {result['steps']} "
+                     f"({result['machine']['device']}, {load})",
+            "columns": ["hook", "step time s", "comm in flight % of step", "comm exposed % of step",
+                        "MiB sent / rank / step", "vs fp32 all-reduce", f"eval loss after {result['steps']} steps"],
+            "rows": rows}
+
+
+def _percent(s: dict[str, float]) -> dict[str, float]:
+    return {key: 100 * value if key != "n" else value for key, value in s.items()}
+
+
+def chart(result: dict[str, Any], path: Path) -> str:
+    hooks = list(result["hooks"])
+    stats = result["hooks"]
+    fig, (time_ax, bytes_ax, loss_ax) = figure(3, f"Gradient compression, {result['model']}, {result['nproc']} ranks")
+    xs = range(len(hooks))
+    exposed = [stats[h]["step_time_s"]["median"] * stats[h]["exposed_comm_share"]["median"] for h in hooks]
+    hidden = [stats[h]["step_time_s"]["median"] * max(0.0, stats[h]["comm_share"]["median"]
+                                                     - stats[h]["exposed_comm_share"]["median"]) for h in hooks]
+    rest = [stats[h]["step_time_s"]["median"] - e - hd for h, e, hd in zip(hooks, exposed, hidden)]
+    time_ax.bar(xs, rest, label="compute")
+    time_ax.bar(xs, hidden, bottom=rest, label="comm overlapped")
+    time_ax.bar(xs, exposed, bottom=[r + hd for r, hd in zip(rest, hidden)], label="comm exposed")
+    time_ax.set_xticks(list(xs), hooks)
+    time_ax.set_ylabel("median step time (s)")
+    time_ax.legend(fontsize=7)
+    bytes_ax.bar(xs, [stats[h]["bytes_per_step"] / 2**20 for h in hooks])
+    bytes_ax.set_yscale("log")
+    bytes_ax.set_xticks(list(xs), hooks)
+    bytes_ax.set_ylabel("MiB sent per rank per step (log)")
+    for h in hooks:
+        loss_ax.plot(range(1, len(stats[h]["losses"]) + 1), stats[h]["losses"], label=h)
+    loss_ax.set_xlabel("step")
+    loss_ax.set_ylabel("training loss")
+    loss_ax.legend(fontsize=7)
+    return save(fig, path)

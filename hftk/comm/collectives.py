@@ -1,0 +1,49 @@
+"""The two collectives hftk's hooks need, over one flat process group, with accounting.
+
+A communicator is any object with ``size``, ``all_reduce(t)`` and ``all_gather(t)`` returning a
+``torch.futures.Future`` whose value is the result tensor; :class:`FlatComm` is this one and
+:class:`hftk.comm.hierarchical.HierarchicalComm` the node-aware one, so every hook runs over
+either. Completion callbacks here only stop a clock: a collective issued inside a future's
+callback runs on the backend's thread, in an order that differs between ranks (the hang that
+torch's PowerSGD hook hits on gloo).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hftk.comm.accounting import CommStats
+
+
+def completed_future(value: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class FlatComm:
+    """Sum-all-reduce and all-gather over ``group`` (the default group when None), asynchronous."""
+
+    def __init__(self, stats: CommStats, group: Any = None) -> None:
+        self.stats = stats
+        self.group = group
+        self.size = dist.get_world_size(group)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        interval = self.stats.issued("all_reduce", tensor.numel() * tensor.element_size(), self.size)
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        return work.get_future().then(lambda _: self._done(interval, tensor))
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Every rank's ``tensor`` concatenated in rank order (one flat tensor)."""
+        out = tensor.new_empty(self.size * tensor.numel())
+        interval = self.stats.issued("all_gather", tensor.numel() * tensor.element_size(), self.size)
+        work = dist.all_gather_into_tensor(out, tensor.contiguous(), group=self.group, async_op=True)
+        return work.get_future().then(lambda _: self._done(interval, out))
+
+    def _done(self, interval: list[float], result: torch.Tensor) -> torch.Tensor:
+        self.stats.completed(interval)
+        return result
