@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -65,8 +65,11 @@ def load(folder: Path, layout: Any, optimizer: Any, scheduler: Any) -> int:
     return int(json.loads((folder / LAYOUT_FILE).read_text())["step"])
 
 
-def save_hf_folder(out: Path, layout: Any, tokenizer: Any) -> None:
-    """Collective: gather every shard to rank 0, which writes a standard HF folder; it appears whole or not at all."""
+def save_hf_folder(out: Path, layout: Any, tokenizer: Any, write_extra: Callable[[Path], None]) -> None:
+    """Collective: gather every shard to rank 0, which writes a standard HF folder; it appears whole or not at all.
+
+    ``write_extra(folder)`` adds files beside the weights on rank 0 (the run record and model card).
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from hftk.export import check_complete, shapes_of
@@ -79,6 +82,7 @@ def save_hf_folder(out: Path, layout: Any, tokenizer: Any) -> None:
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
             check_complete(folder, shapes_of(model))
+            write_extra(folder)
 
 
 def hf_model(config: Any, state: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from tests.faults import TOKEN, hub_env
 from tests.helpers import ROOT, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, metrics, torchrun
 
 STEPS = 5
@@ -19,6 +20,7 @@ TOL = 1e-5
 LLAMA = ["--model_name_or_path", "builtin:llama-tiny"]
 GPT2 = ["--model_name_or_path", "builtin:gpt2-tiny"]
 COMMON = ["--max_steps", str(STEPS)]
+REPO = "hftk-test/tiny-gpt2-tp"
 
 
 def _run(root, name: str, nproc: int, args: list[str]):
@@ -62,8 +64,21 @@ def gpt2_ref(root):
 
 
 @pytest.fixture(scope="module")
-def gpt2_tp(root):
-    return _run(root, "gpt2_tp", 2, [*GPT2, "--strategy", "tp", "--tp_size", "2", "--per_device_train_batch_size", "4"])
+def hub():
+    from tests.hub_server import HubServer
+
+    with HubServer(token=TOKEN) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def gpt2_tp(root, hub):
+    """Also pushes its final folder to a local stand-in Hub."""
+    out = root / "gpt2_tp"
+    finetune(2, [*COMMON, *GPT2, "--output_dir", str(out), "--strategy", "tp", "--tp_size", "2",
+                 "--per_device_train_batch_size", "4", "--push_to_hub", "--hub_model_id", REPO, "--hub_strategy", "end"],
+             timeout=600, env=hub_env(hub))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +199,35 @@ def test_resume_under_tp_is_exact(llama_tp, tmp_path):
     for step in after:
         assert after[step] == pytest.approx(full[step], abs=1e-6), step
     assert max_weight_diff(load_weights(llama_tp / "final"), load_weights(resumed / "final")) < 1e-6
+
+
+@pytest.mark.slow
+def test_final_folder_of_a_tp_run_is_pushed_to_the_hub(gpt2_tp, hub):
+    from hftk.hub import CARD_FILE, folder_files
+
+    files = hub.state.files(REPO)
+    local = folder_files(gpt2_tp / "final")
+    assert set(files) == {".gitattributes", *local}
+    assert files["model.safetensors"] == (gpt2_tp / "final" / "model.safetensors").read_bytes()
+    assert "**tp** over 2 process(es)" in files[CARD_FILE].decode()
+    assert [m["hub_push"] for m in metrics(gpt2_tp) if "hub_push" in m] == ["ok"]
+
+
+@pytest.mark.slow
+def test_memory_per_rank_shrinks_with_the_mesh(llama_ref, llama_tp, tp_fsdp):
+    """Counted model state per rank (params, grads, AdamW state) after the first step, from metrics.jsonl."""
+    def per_rank(run):
+        ranks = next(m["memory"] for m in metrics(run) if "memory" in m)
+        assert all(r["peak"] > 0 for r in ranks)
+        return ranks
+
+    ref, = per_rank(llama_ref)
+    tp, fsdp = per_rank(llama_tp), per_rank(tp_fsdp)
+    assert len(tp) == 2 and len(fsdp) == 4
+    for key in ("params", "grads", "optimizer"):
+        # norms stay whole under TP (a few KiB): close to 1/2, and to 1/4 with FSDP2 on top
+        assert all(0.5 <= r[key] / ref[key] < 0.52 for r in tp), (key, tp, ref)
+        assert all(0.25 <= r[key] / ref[key] < 0.27 for r in fsdp), (key, fsdp, ref)
 
 
 @pytest.mark.slow

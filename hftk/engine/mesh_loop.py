@@ -17,12 +17,14 @@ token-loss sum divided by the global token count, and the gradient reductions su
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -34,8 +36,10 @@ from hftk.checkpoint import announce_resume, resolve_resume
 from hftk.data import IGNORE_INDEX, tokenize_and_pack
 from hftk.engine.guard import check_world
 from hftk.errors import HftkError
+from hftk.memory import model_state_bytes
 from hftk.modeling import load_model, load_tokenizer
 from hftk.monitor import append_jsonl
+from hftk.telemetry import peak_memory_bytes, reset_peak_memory
 from hftk.run_types import PreparedRun
 
 FINAL_DIR = "final"
@@ -46,6 +50,7 @@ SUPPORTED_TRAINING = {
     "max_grad_norm", "lr_scheduler_type", "warmup_steps", "num_train_epochs", "max_steps", "logging_steps",
     "eval_strategy", "eval_steps", "save_strategy", "save_steps", "save_total_limit", "seed", "resume_from_checkpoint",
     "report_to", "ddp_timeout", "disable_tqdm", "optim", "use_cpu",
+    "push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo",
     # DDP / DataLoader options that have nothing to act on in this loop (set by hftk's defaults).
     "ddp_find_unused_parameters", "dataloader_num_workers",
 }
@@ -117,6 +122,13 @@ def all_reduce_sum(value: torch.Tensor, groups: list[Any]) -> torch.Tensor:
         if dist.get_world_size(group) > 1:
             dist.all_reduce(value, group=group)
     return value
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def plain(tensor: torch.Tensor) -> torch.Tensor:
@@ -221,8 +233,12 @@ def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
 
 
 def train_step(layout: MeshLayout, micro_batches: list[dict[str, torch.Tensor]], optimizer: Any, scheduler: Any,
-               max_grad_norm: float) -> dict[str, float]:
-    """One optimizer step over this rank's micro-batches; returns the global mean loss and grad norm."""
+               max_grad_norm: float, count_memory: bool = False) -> dict[str, Any]:
+    """One optimizer step over this rank's micro-batches; returns the global mean loss and grad norm.
+
+    ``count_memory``: also this rank's bytes of parameters, gradients and optimizer state, counted
+    right after ``optimizer.step`` (the one moment all three exist).
+    """
     model = layout.model
     model.train()  # from_pretrained returns eval mode; Ulysses and dropout must see training mode
     local = [layout.shard_batch(b) for b in micro_batches]
@@ -234,13 +250,17 @@ def train_step(layout: MeshLayout, micro_batches: list[dict[str, torch.Tensor]],
             summed = loss_sum(model, batch)
             (summed * (layout.grad_scale / tokens.item())).backward()
         total += plain(summed.detach()).to(torch.float64)
+    loss = float(all_reduce_sum(total, layout.data_groups) / tokens)
+    if not math.isfinite(loss):  # every rank sees the same reduced loss: all skip the update together
+        optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss, "skipped": True}
     layout.reduce_grads()
     grad_norm = clip_grad_norm(model, max_grad_norm)
     optimizer.step()
+    memory = model_state_bytes(model, optimizer) if count_memory else None
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    loss = all_reduce_sum(total, layout.data_groups) / tokens
-    return {"loss": float(loss), "grad_norm": grad_norm, "tokens": float(tokens)}
+    return {"loss": loss, "grad_norm": grad_norm, "tokens": float(tokens), "memory": memory, "skipped": False}
 
 
 @torch.no_grad()
@@ -319,56 +339,76 @@ def _tokenized(prepared: PreparedRun, tokenizer: Any) -> Any:
     return data
 
 
+def loop_args(cfg: Any, max_steps: int) -> SimpleNamespace:
+    """The TrainingArguments values this run uses, without constructing one (it would start accelerate's state)."""
+    from transformers import TrainingArguments
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)
+                if f.init and f.default is not dataclasses.MISSING}
+    return SimpleNamespace(**{**defaults, **cfg.training, "optim": "adamw_torch", "max_steps": max_steps})
+
+
 def train(prepared: PreparedRun) -> dict[str, float]:
     """Run a tensor- or sequence-parallel fine-tuning for a prepared (validated) config."""
     from transformers import set_seed
 
-    from hftk import mesh_checkpoint
+    from hftk import hub, mesh_checkpoint
 
     cfg = prepared.cfg
     t = cfg.training
-    strategy = strategies.get(cfg.strategy.strategy)
     init_process_group(cfg)
-    device = device_type() if device_type() == "cpu" else f"cuda:{torch.cuda.current_device()}"
+    main = dist.get_rank() == 0
+    device = "cpu" if device_type() == "cpu" else f"cuda:{torch.cuda.current_device()}"
     seed = t.get("seed", 42)
     set_seed(seed)
     tokenizer = load_tokenizer(cfg.model)
     data = _tokenized(prepared, tokenizer)
-    model = load_model(cfg.model).to(device)
-    layout = strategy.layout(model, cfg, device_type())
+    layout = strategies.get(cfg.strategy.strategy).layout(load_model(cfg.model).to(device), cfg, device_type())
     optimizer = build_optimizer(layout.model, t)
 
     micro = t["per_device_train_batch_size"]
-    accumulation = t.get("gradient_accumulation_steps", 1)
-    global_batch = micro * accumulation * layout.data_size
+    global_batch = micro * t.get("gradient_accumulation_steps", 1) * layout.data_size
     steps_per_epoch = len(data.train) // global_batch
     if steps_per_epoch == 0:
         raise HftkError("training.per_device_train_batch_size",
                         f"one optimizer step needs {global_batch} blocks but the training set has {len(data.train)}.",
                         "lower the batch size or gradient_accumulation_steps, or add data.")
-    max_steps = t.get("max_steps", -1)
-    if max_steps <= 0:
-        max_steps = math.ceil(t["num_train_epochs"] * steps_per_epoch)
+    max_steps = t["max_steps"] if t.get("max_steps", -1) > 0 else math.ceil(t["num_train_epochs"] * steps_per_epoch)
     scheduler = build_scheduler(optimizer, t, max_steps)
     reporter = Reporter(cfg)
+    args = loop_args(cfg, max_steps)
+
+    def record(step: int, metrics: dict[str, float]) -> dict[str, Any]:
+        out = hub.run_record(cfg, args, dist.get_world_size(), prepared.data_format, step, metrics)
+        out["hyperparameters"]["global_batch_size"] = global_batch  # data-parallel ranks only
+        return out
+
+    pusher = hub.RunPusher(cfg, args, dist.get_world_size(), prepared.data_format, reporter.path) \
+        if main and t.get("push_to_hub") else None
     step = 0
     resume = resolve_resume(cfg.output_dir, t.get("resume_from_checkpoint"))
-    announce_resume(cfg.output_dir, resume, publisher=dist.get_rank() == 0)
+    announce_resume(cfg.output_dir, resume, publisher=main)
     if resume:
         step = mesh_checkpoint.load(Path(resume), layout, optimizer, scheduler)
+    if main:  # what `hftk push checkpoint-N` writes the model card from
+        hub.save_run_record(cfg.output_dir, record(0, {}))
     reporter.log({"step": step, "layout": {**layout.describe, "world_size": dist.get_world_size(),
-                                                 "global_batch": global_batch, "max_steps": max_steps},
+                                           "global_batch": global_batch, "max_steps": max_steps},
                   "local_shapes": local_shapes(layout.model)})
 
-    block = cfg.data.block_size
+    def save(at: int) -> None:
+        folder = mesh_checkpoint.save(cfg.output_dir, at, layout, optimizer, scheduler, cfg, tokenizer)
+        if pusher is not None:
+            pusher.checkpoint_published(folder)
+
+    reset_peak_memory(torch.device(device))
+    state_bytes: dict[str, int] | None = None
     window: list[dict[str, float]] = []
-    window_time = 0.0
     result: dict[str, float] = {}
     evaluated_at = -1
     while step < max_steps:
         epoch, offset = divmod(step, steps_per_epoch)
-        batches = global_batches(len(data.train), global_batch, seed, epoch)
-        for indices in batches[offset:]:
+        for indices in global_batches(len(data.train), global_batch, seed, epoch)[offset:]:
             if step >= max_steps:
                 break
             started = time.perf_counter()
@@ -376,37 +416,55 @@ def train(prepared: PreparedRun) -> dict[str, float]:
             micro_batches = [make_batch(data.train, rank_slice(indices[i:i + span], micro, layout.data_rank), device)
                              for i in range(0, len(indices), span)]
             lr = scheduler.get_last_lr()[0]
-            out = train_step(layout, micro_batches, optimizer, scheduler, t.get("max_grad_norm", 1.0))
-            if not math.isfinite(out["loss"]):
-                raise HftkError("training", f"the loss became {out['loss']} at step {step + 1}.",
-                                "lower the learning rate or check the data.")
-            window_time += time.perf_counter() - started
-            window.append({**out, "learning_rate": lr})
+            out = train_step(layout, micro_batches, optimizer, scheduler, t.get("max_grad_norm", 1.0),
+                             count_memory=state_bytes is None)
             step += 1
+            if out["skipped"]:
+                reporter.log({"step": step, "nonfinite_loss": out["loss"], "step_skipped": True})
+                if cfg.resilience.nan_policy == "stop":
+                    save(step - 1)
+                    raise HftkError("resilience.nan_policy", f"the loss became {out['loss']} at step {step}; "
+                                    f"training stopped with checkpoint-{step - 1} (weights before that step).",
+                                    "lower the learning rate or check the data; resume with "
+                                    "--resume_from_checkpoint latest, or set --nan_policy skip.")
+                continue
+            state_bytes = state_bytes or out["memory"]
+            window.append({"loss": out["loss"], "grad_norm": out["grad_norm"], "learning_rate": lr,
+                           "seconds": time.perf_counter() - started})
             if step % t.get("logging_steps", 500) == 0 or step == max_steps:
-                step_time = window_time / len(window)
-                record = {
-                    "step": step, "epoch": step / steps_per_epoch,
-                    "loss": sum(w["loss"] for w in window) / len(window),
-                    "grad_norm": window[-1]["grad_norm"], "learning_rate": window[-1]["learning_rate"],
-                    "step_time_s": step_time, "tokens_per_s": global_batch * block / step_time,
-                    "samples_per_s": global_batch / step_time,
-                }
-                reporter.log(record)
-                result = {"train_loss": record["loss"]}
-                window, window_time = [], 0.0
+                result = {"train_loss": _log_window(reporter, window, step, steps_per_epoch, global_batch,
+                                                    cfg.data.block_size)}
+                window = []
             if data.eval is not None and t.get("eval_strategy") == "steps" and step % t.get("eval_steps", 500) == 0:
                 result.update(_log_eval(layout, data.eval, t, device, step, steps_per_epoch, reporter))
                 evaluated_at = step
             if t.get("save_strategy", "steps") == "steps" and step % t.get("save_steps", 500) == 0:
-                mesh_checkpoint.save(cfg.output_dir, step, layout, optimizer, scheduler, cfg, tokenizer)
+                save(step)
+    if state_bytes is not None:
+        peak = peak_memory_bytes(torch.device(device))  # training phase (eval and the final save excluded)
+        reporter.log({"step": step, "memory": gather_objects({**state_bytes, "peak": peak})})
     if data.eval is not None and evaluated_at != step:
         result.update(_log_eval(layout, data.eval, t, device, step, steps_per_epoch, reporter))
-    mesh_checkpoint.save_hf_folder(cfg.output_dir / FINAL_DIR, layout, tokenizer)
+    final = cfg.output_dir / FINAL_DIR
+    mesh_checkpoint.save_hf_folder(final, layout, tokenizer,
+                                   lambda folder: hub.write_run_files(folder, record(step, result), t.get("hub_model_id")))
+    if pusher is not None:
+        pusher.push_final(final, step)  # waits; a failed push is reported, not raised
     reporter.close()
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _log_window(reporter: Reporter, window: list[dict[str, float]], step: int, steps_per_epoch: int,
+                global_batch: int, block: int) -> float:
+    """One log record for the steps since the last: mean loss, last grad norm and LR, throughput."""
+    step_time = sum(w["seconds"] for w in window) / len(window)
+    loss = sum(w["loss"] for w in window) / len(window)
+    reporter.log({"step": step, "epoch": step / steps_per_epoch, "loss": loss, "grad_norm": window[-1]["grad_norm"],
+                  "learning_rate": window[-1]["learning_rate"], "step_time_s": step_time,
+                  "tokens_per_s": global_batch * block / step_time, "samples_per_s": global_batch / step_time})
+    return loss
 
 
 def _log_eval(layout: MeshLayout, dataset: Any, t: dict[str, Any], device: str, step: int, steps_per_epoch: int,
