@@ -26,7 +26,7 @@ import math
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -37,12 +37,12 @@ import torch.distributed as dist
 
 from hftk import strategies
 from hftk.checkpoint import announce_resume, atomic_save, resolve_resume, staged_folder, staging_root
-from hftk.data import tokenize_and_pack
 from hftk.engine.guard import check_world
-from hftk.engine.trainer import FINAL_DIR, build_training_arguments
-from hftk.errors import HftkError
-from hftk.modeling import load_model, load_tokenizer
+from hftk.engine.trainer import FINAL_DIR, build_training_arguments, load_data
+from hftk.modeling import load_model
+from hftk.hub import run_record, save_run_record, write_run_files
 from hftk.monitor import MetricsCallback, append_jsonl, parameter_digest
+from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionSignal, agree, nonfinite_gradients
 from hftk.run_types import PreparedRun
 
 STATE_FILE = "trainer_state.json"  # the Trainer's own state file (global step, log history)
@@ -72,6 +72,10 @@ class Run:
     total_loss: float = 0.0  # summed step losses of this run (-> train_loss)
     last_sync_check: int = -1
     count_shifted: bool = True  # how the Trainer counts num_items_in_batch for this model
+    signal: PreemptionSignal = field(default_factory=PreemptionSignal)
+    exit_code: int | None = None  # set when preempted or nan_policy=stop: save, then exit with it
+    stop_reason: str = ""
+    nonfinite_steps: list[int] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -98,12 +102,7 @@ def run_loop(prepared: PreparedRun) -> dict[str, float]:
     set_seed(args.seed)
     topo = pipeline.topology(cfg.strategy.pp_size, args.device)
 
-    tokenizer = load_tokenizer(cfg.model)
-    with args.main_process_first(desc="tokenize"):
-        data = tokenize_and_pack(cfg.data, prepared.raw, tokenizer, prepared.data_format, args.seed)
-    if prepared.has_eval and data.eval is None:
-        raise HftkError("data.eval_fraction", f"the held-out text is shorter than one block of {cfg.data.block_size}.",
-                        "raise data.eval_fraction, lower data.block_size, or set data.eval_fraction to 0.")
+    tokenizer, data = load_data(prepared, args)
     model = load_model(cfg.model)
     _enable_activation_checkpointing(model, args)
     decay_ids = _decay_parameter_ids(model)
@@ -235,6 +234,8 @@ def _train_epochs(run: Run, pipeline: Any, steps_per_epoch: int, epochs: int) ->
     resume = resolve_resume(run.prepared.cfg.output_dir, run.prepared.cfg.training.get("resume_from_checkpoint"))
     epochs_trained, skip_batches = 0, 0
     announce_resume(run.prepared.cfg.output_dir, resume, run.rank == 0)
+    if run.rank == 0:  # what `hftk push checkpoint-N` writes the model card from
+        save_run_record(run.prepared.cfg.output_dir, _run_record(run, 0, None))
     if resume:
         _load_checkpoint(run, pipeline, Path(resume))
         epochs_trained = state.global_step // steps_per_epoch
@@ -242,6 +243,20 @@ def _train_epochs(run: Run, pipeline: Any, steps_per_epoch: int, epochs: int) ->
     run.last_logged = state.global_step
     start, start_step = time.time(), state.global_step
     run.control = run.handler.on_train_begin(args, state, run.control)
+    run.signal.install()
+    try:
+        _run_epochs(run, pipeline, resume, steps_per_epoch, epochs, epochs_trained, skip_batches)
+    finally:
+        run.signal.uninstall()
+    if run.exit_code is not None:
+        _stop(run)
+    return _finish(run, pipeline, start, start_step)
+
+
+def _run_epochs(run: Run, pipeline: Any, resume: str | None, steps_per_epoch: int, epochs: int,
+                epochs_trained: int, skip_batches: int) -> None:
+    args, state = run.args, run.state
+    accum = args.gradient_accumulation_steps
     steps_in_epoch = len(run.train_loader)
     for epoch in range(epochs_trained, epochs):
         run.control = run.handler.on_epoch_begin(args, state, run.control)
@@ -273,6 +288,7 @@ def _train_epochs(run: Run, pipeline: Any, steps_per_epoch: int, epochs: int) ->
             run.window_loss += loss
             run.total_loss += loss
             run.control = run.handler.on_step_end(args, state, run.control)
+            _after_guarded_step(run, skipped=math.isnan(grad_norm))
             _maybe_log_save_evaluate(run, pipeline, grad_norm, lr)
             if run.control.should_epoch_stop or run.control.should_training_stop:
                 break
@@ -280,7 +296,6 @@ def _train_epochs(run: Run, pipeline: Any, steps_per_epoch: int, epochs: int) ->
         _maybe_log_save_evaluate(run, pipeline, None, None)
         if run.control.should_training_stop:
             break
-    return _finish(run, pipeline, start, start_step)
 
 
 def _set_epoch(loader: Any, epoch: int) -> None:
@@ -338,7 +353,10 @@ def _train_step(run: Run, pipeline: Any, batches: list[dict[str, torch.Tensor]])
     for batch in batches:
         loss = loss + pipeline.forward_backward(rt, _pad_rows(batch, rows), divisor)
     pipeline.reduce_gradients(rt)
-    grad_norm = pipeline.clip_gradients(rt, args.max_grad_norm)
+    if _guard(run):
+        grad_norm = torch.tensor(float("nan"))
+    else:
+        grad_norm = pipeline.clip_gradients(rt, args.max_grad_norm)
     run.control = run.handler.on_pre_optimizer_step(args, run.state, run.control)
     run.optimizer.step()
     run.control = run.handler.on_optimizer_step(args, run.state, run.control)
@@ -348,6 +366,43 @@ def _train_step(run: Run, pipeline: Any, batches: list[dict[str, torch.Tensor]])
     total = loss.reshape(1).clone()
     dist.all_reduce(total)  # only the last stage of each replica holds a loss
     return float(total[0]), float(grad_norm), lr
+
+
+def _guard(run: Run) -> bool:
+    """hftk.resilience's rules, agreed by every rank: a non-finite gradient drops the update (step and
+    schedule still advance); preemption or ``nan_policy=stop`` saves after this step and exits."""
+    preempted, nonfinite = agree([run.signal.received is not None,
+                                  nonfinite_gradients(p for _, p in run.rt.params)], run.rt.topo.device)
+    if nonfinite:
+        for _, p in run.rt.params:
+            p.grad = None  # torch optimizers skip parameters without a gradient
+        if run.prepared.cfg.resilience.nan_policy == "stop" and run.exit_code is None:
+            run.exit_code, run.stop_reason = EXIT_NONFINITE, "a NaN/Inf loss (resilience.nan_policy=stop)"
+    if preempted and run.exit_code is None:
+        run.exit_code, run.stop_reason = EXIT_PREEMPTED, "preempted"
+    return nonfinite
+
+
+def _after_guarded_step(run: Run, skipped: bool) -> None:
+    if skipped:
+        run.nonfinite_steps.append(run.state.global_step)
+        _log(run, {"nonfinite_steps_skipped": float(len(run.nonfinite_steps))})
+    if run.exit_code is not None:
+        run.control.should_save = True
+        run.control.should_training_stop = True
+
+
+def _stop(run: Run) -> None:
+    """Like ``hftk.resilience.stop_if_interrupted``: say where the run stopped, tear down, exit with the code."""
+    import sys
+
+    if run.rank == 0:
+        print(f"hftk: stopped at step {run.state.global_step}: {run.stop_reason}; saved "
+              f"{run.prepared.cfg.output_dir / f'checkpoint-{run.state.global_step}'}; continue with "
+              f"--resume_from_checkpoint latest (exit {run.exit_code})", file=sys.stderr, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    raise SystemExit(run.exit_code)
 
 
 def _maybe_log_save_evaluate(run: Run, pipeline: Any, grad_norm: float | None, lr: float | None) -> None:
@@ -427,8 +482,14 @@ def _finish(run: Run, pipeline: Any, start: float, start_step: int) -> dict[str,
     evaluated = any("eval_loss" in h and h["step"] == state.global_step for h in state.log_history)
     if run.eval_loader is not None and not evaluated:
         metrics.update(_evaluate(run, pipeline))
-    _save_final(run, pipeline)
+    _save_final(run, pipeline, metrics)
     return metrics
+
+
+def _run_record(run: Run, step: int, metrics: dict[str, float] | None) -> dict[str, Any]:
+    """hftk.hub's run record; its world size counts data-parallel replicas (the global batch), not stages."""
+    p = run.prepared
+    return run_record(p.cfg, run.args, run.rt.topo.dp_size, p.data_format, step, metrics)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,7 +549,7 @@ def _load_rng(folder: Path) -> None:
         torch.cuda.random.set_rng_state_all(state["cuda"])
 
 
-def _save_final(run: Run, pipeline: Any) -> None:
+def _save_final(run: Run, pipeline: Any, metrics: dict[str, float]) -> None:
     """``output_dir/final``: the stages written once more, consolidated by the export into one HF folder."""
     from hftk.export import export
 
@@ -504,3 +565,5 @@ def _save_final(run: Run, pipeline: Any) -> None:
         if run.rank == 0:
             export(stages, final)
             shutil.rmtree(stages)
+            write_run_files(final, _run_record(run, run.state.global_step, metrics),
+                            run.prepared.cfg.training.get("hub_model_id"))

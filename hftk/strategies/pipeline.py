@@ -357,6 +357,7 @@ class PipelineRuntime:
     tied_names: tuple[str, str] | None  # (input embedding, LM head) full names when tied
     autocast_dtype: torch.dtype | None = None
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    pipe_stages: list[Any] = field(default_factory=list)  # the PipelineStage objects the schedule drives
 
     @property
     def holds_first(self) -> bool:
@@ -394,7 +395,7 @@ def build_runtime(model: nn.Module, s: StrategyConfig, topo: Topology, bf16: boo
     params = [(stage.names[local], p) for stage in mine for local, p in stage.named_parameters()]
     return PipelineRuntime(topo=topo, stages=mine, stage_indices=indices, num_stages=n_stages, schedule=schedule,
                            loss=loss, microbatches=s.pp_microbatches, tied_names=tied,
-                           autocast_dtype=torch.bfloat16 if bf16 else None, params=params)
+                           autocast_dtype=torch.bfloat16 if bf16 else None, params=params, pipe_stages=pipe_stages)
 
 
 def _schedule_inputs(rt: PipelineRuntime, batch: dict[str, torch.Tensor]) -> tuple[tuple, dict]:
