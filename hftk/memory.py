@@ -2,19 +2,27 @@
 
 RSS hides sharding savings (glibc keeps freed memory, see the field notes), so sharded
 strategies are judged by counting tensor bytes. Only the local part of a sharded tensor
-counts (a DTensor's local shard), and a tensor reachable under several names (tied
-embeddings) counts once.
+counts (a DTensor's local shard, a ZeRO-3 partition), and a tensor reachable under several
+names (tied embeddings) counts once.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from hftk.monitor import append_jsonl
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of ``tensor`` stored on this rank: a DTensor's local shard, else the tensor itself."""
+    """The part of ``tensor`` stored on this rank: a DTensor's local shard, a ZeRO-3 parameter's
+    partition (``ds_tensor``), else the tensor itself."""
+    if hasattr(tensor, "ds_tensor"):
+        return tensor.ds_tensor
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
 
@@ -143,3 +151,36 @@ def _tensors_held(obj: Any, depth: int = 2) -> Iterable[torch.Tensor]:
         return
     for value in values:
         yield from _tensors_held(value, depth - 1)
+
+
+def parameter_elements(model: torch.nn.Module) -> tuple[int, int]:
+    """(elements this rank stores, elements of the whole model); a tied parameter counts once."""
+    params = list(model.parameters())  # parameters() already yields a shared parameter once
+    return sum(local_tensor(p).numel() for p in params), sum(getattr(p, "ds_numel", p.numel()) for p in params)
+
+
+class ModelStateCallback(TrainerCallback):
+    """Once, right after the first optimizer step (gradients and optimizer state both exist),
+    gathers every rank's :func:`model_state_bytes` and stored parameter elements to rank 0,
+    which appends them to the metrics file as ``{"step", "model_state": [per rank]}``.
+
+    The evidence behind "fsdp / ZeRO-3 really shard": counted bytes, not RSS.
+    """
+
+    def __init__(self, metrics_path: Path) -> None:
+        self.metrics_path = metrics_path
+        self.done = False
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                          **kwargs: Any) -> None:
+        if self.done or model is None:
+            return
+        self.done = True
+        local, full = parameter_elements(model)
+        mine = {**model_state_bytes(model, optimizer), "param_elements": local, "param_elements_full": full}
+        rows = [mine]
+        if dist.is_available() and dist.is_initialized():
+            rows = [None] * dist.get_world_size()
+            dist.all_gather_object(rows, mine)
+        if state.is_world_process_zero:
+            append_jsonl(self.metrics_path, {"step": state.global_step + 1, "model_state": rows})

@@ -20,6 +20,7 @@ from hftk.comm.register import is_active as comm_active
 from hftk.data import tokenize_and_pack
 from hftk.engine.guard import WorldGuard, check_world
 from hftk.errors import HftkError
+from hftk.memory import ModelStateCallback
 from hftk.modeling import load_model, load_tokenizer
 from hftk.monitor import MetricsCallback, SyncCheckCallback
 from hftk.telemetry import RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops, flops_per_token
@@ -87,7 +88,7 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
         # Ahead of the metrics callback, so the byte counters it adds to each log reach metrics.jsonl.
         resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))
         trainer.callback_handler.callbacks.insert(0, CompressionCallback(trainer, cfg.strategy, resume))
-    callbacks: list[Any] = [WorldGuard(strategy.verify, trainer)]
+    callbacks: list[Any] = [WorldGuard(strategy.verify, trainer), ModelStateCallback(metrics_cb.metrics_path)]
     if cfg.tracking.check_sync_steps > 0:
         callbacks.append(SyncCheckCallback(cfg.tracking.check_sync_steps, metrics_cb.metrics_path))
     return callbacks

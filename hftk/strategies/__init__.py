@@ -10,6 +10,8 @@ Every strategy module answers the same questions with plain functions (no base c
 - ``verify(trainer)``: called at train begin; raise if the run is not really distributed
   the way its name says (the field's silent fallbacks to DDP or to one process).
 - ``save_final(trainer, out_dir)``: write a complete, consolidated HF folder.
+- optional ``trainer_factory(cfg) -> callable``: builds the Trainer instead of
+  ``transformers.Trainer`` when the strategy owns model/optimizer I/O (FSDP2's DTensor shards).
 
 A strategy whose layout the HF Trainer cannot drive names its engine module under
 ``hftk.engine`` in ``ENGINE`` (default ``"trainer"``). Tensor and sequence parallel (``tp``,
@@ -28,6 +30,7 @@ from hftk.errors import HftkError
 
 MODULES = {
     "ddp": "hftk.strategies.ddp",
+    "fsdp": "hftk.strategies.fsdp",
     "tp": "hftk.strategies.tensor",
     "sp": "hftk.strategies.sequence",
     "pipeline": "hftk.strategies.pipeline",

@@ -13,7 +13,11 @@ from hftk.errors import HftkError
 
 
 def validate(cfg: RunConfig, world_size: int) -> None:
-    """Nothing beyond the common checks: DDP runs at any world size (1 is plain training)."""
+    """DDP runs at any world size (1 is plain training); FSDP-only options would be ignored."""
+    for name in ("fsdp_cpu_offload", "fsdp_hybrid"):
+        if getattr(cfg.strategy, name):
+            raise HftkError(f"strategy.{name}", "is an FSDP option; ddp keeps the whole model on every rank and "
+                            "would ignore it.", f"use --strategy fsdp --{name}, or drop it.")
 
 
 def training_arguments(cfg: RunConfig, model_config: Any) -> dict[str, Any]:
