@@ -115,26 +115,30 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 # ---- communication -----------------------------------------------------------------------------
 
-def comm_intervals(events: Any) -> list[tuple[float, float]]:
-    """(start, end) in microseconds of collective work: gloo ops on CPU, NCCL kernels on GPU."""
+def comm_intervals(events: Any) -> list[tuple[int, int]]:
+    """(start, end) in nanoseconds of collective work: gloo ops on CPU, NCCL kernels on GPU.
+
+    ``events`` are the profiler's raw kineto events (``prof.profiler.kineto_results.events()``):
+    reading them takes milliseconds, where ``prof.events()`` builds a tree for 0.1-0.8 s.
+    """
     spans = []
     for event in events:
-        name = event.name
-        on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
+        name = event.name()
+        on_gpu = event.device_type() == torch.autograd.DeviceType.CUDA
         if (on_gpu and "nccl" in name.lower()) or (not on_gpu and name.startswith("gloo:")):
-            spans.append((event.time_range.start, event.time_range.end))
+            spans.append((event.start_ns(), event.start_ns() + event.duration_ns()))
     return spans
 
 
-def union_seconds(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of microsecond intervals (overlapping buckets on several threads count once)."""
-    total, end = 0.0, -math.inf
+def union_seconds(spans: list[tuple[int, int]]) -> float:
+    """Length of the union of nanosecond intervals (overlapping buckets on several threads count once)."""
+    total, end = 0, -math.inf
     for start, stop in sorted(spans):
         if stop <= end:
             continue
         total += stop - max(start, end)
         end = stop
-    return total / 1e6
+    return total / 1e9
 
 
 # ---- the monitor -------------------------------------------------------------------------------
@@ -242,7 +246,8 @@ class RankMonitor:
             return
         start = (time.perf_counter(), time.process_time())
         profiler, profiled_wall = self._profiled
-        self.window.comm_share = union_seconds(comm_intervals(profiler.events())) / profiled_wall
+        events = profiler.profiler.kineto_results.events()
+        self.window.comm_share = union_seconds(comm_intervals(events)) / profiled_wall
         self._profiled = None
         if self._last_end is not None:
             spent = (time.perf_counter() - start[0], time.process_time() - start[1])
@@ -276,8 +281,8 @@ class RankMonitor:
                             ("rss_hwm" if self._peak_resettable else "rss_hwm_lifetime"))
         if summary.unmeasured and not self._warned_unmeasured:
             self._warned_unmeasured = True
-            logger.warning("rank imbalance not measured: no gradient reached the parameters' autograd hooks "
-                           "(this strategy sets gradients itself); only wall-clock step times are reported.")
+            logger.warning("rank imbalance not measured: no gradient reached the compute-timing hooks (none "
+                           "attached, or this strategy sets gradients itself); only wall-clock step times are reported.")
         return summary
 
 
@@ -349,7 +354,12 @@ class RankMonitorCallback(TrainerCallback):
         self.metrics_path = metrics_path
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        self.monitor.attach(model)
+        """Hooks on the model when the loop hands one over (hftk's own loops may not: then the monitor
+        reports wall/CPU time, memory and comm share, and says that compute time is not measured)."""
+        if model is not None:
+            self.monitor.attach(model)
+        else:
+            reset_peak_memory(self.monitor.device)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.monitor.detach()

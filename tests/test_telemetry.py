@@ -62,14 +62,15 @@ def test_imbalance_verdict():
 def test_comm_intervals_union_counts_overlap_once():
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
-    def ev(name, start, end, device=cpu):
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+    def ev(name, start, end, device=cpu):  # the raw kineto event's accessors
+        return SimpleNamespace(name=lambda: name, device_type=lambda: device, start_ns=lambda: start,
+                               duration_ns=lambda: end - start)
 
     events = [ev("gloo:all_reduce", 0, 100), ev("gloo:all_reduce", 50, 150), ev("aten::mm", 0, 1000),
               ev("ncclDevKernel_AllReduce_Sum_f32", 300, 400, cuda), ev("c10d::allreduce_", 0, 5)]
     spans = comm_intervals(events)
     assert sorted(spans) == [(0, 100), (50, 150), (300, 400)]
-    assert union_seconds(spans) == pytest.approx(250e-6)
+    assert union_seconds(spans) == pytest.approx(250e-9)
 
 
 def test_peak_memory_window_resets_and_sees_a_big_allocation():

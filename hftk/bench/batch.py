@@ -48,11 +48,23 @@ def default_budget_gb() -> float:
     return CPU_DEFAULT_BUDGET_GB
 
 
-def plan_trials(nproc: int, global_batch: int, max_micro_batch: int, work: Path) -> list[dict[str, Any]]:
-    """Search trials (powers of two up to ``max_micro_batch``) then the accumulation pairs."""
+def check_options(strategies: list[str] | None = None, nproc: int | None = None, global_batch: int = 32,
+                  max_micro_batch: int = 64, **_: Any) -> None:
+    """Bad input fails before any launch."""
+    from hftk import strategies as known
+
+    for name in strategies or ["ddp"]:
+        known.get(name)
+    nproc = nproc or max_processes()
     if global_batch % nproc:
         raise HftkError("bench.global_batch", f"{global_batch} is not divisible by {nproc} processes.",
                         f"use a multiple of {nproc}.")
+    if max_micro_batch < 1:
+        raise HftkError("bench.max_micro_batch", "must be at least 1.", "use e.g. 64.")
+
+
+def plan_trials(nproc: int, global_batch: int, max_micro_batch: int, work: Path) -> list[dict[str, Any]]:
+    """Search trials (powers of two up to ``max_micro_batch``) then the accumulation pairs."""
     per_rank = global_batch // nproc
     search = _powers_of_two(max_micro_batch)
     pairs = [b for b in _powers_of_two(per_rank) if per_rank % b == 0 and b < per_rank]
@@ -85,6 +97,7 @@ def run_batch_bench(out_dir: Path, strategies: list[str] | None = None, nproc: i
     threads = threads_per_rank(nproc)
     argv = [*BENCH_TRAIN_ARGS, "--model_name_or_path", model, "--block_size", str(block_size),
             "--learning_rate", str(learning_rate), "--max_steps", str(warmup + steps), *(train_args or [])]
+    check_options(strategies, nproc, global_batch, max_micro_batch)
     per_strategy = {}
     for strategy in strategies:
         work = out_dir / strategy

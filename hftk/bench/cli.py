@@ -59,7 +59,7 @@ def converter(param: inspect.Parameter) -> Callable[[str], Any]:
     hint = str(param.annotation)
     if hint.startswith("list[int]"):
         return lambda s: [int(x) for x in s.split(",") if x]
-    if hint.startswith("list[str]"):
+    if hint.startswith(("list[str]", "tuple[str")):
         return lambda s: [x for x in s.split(",") if x]
     if hint.startswith("bool"):
         return lambda s: s.lower() in ("1", "true", "yes")
@@ -168,7 +168,12 @@ def run_benches(out: Path, plan: dict[str, dict[str, Any]], train_args: list[str
         print(f"hftk bench: {name} ...", flush=True)
         t0 = time.time()
         try:
-            results[name] = bench_function(name)(out / name, train_args=train_args, **resolve(name, kwargs))
+            fn = bench_function(name)
+            extra = {"train_args": train_args} if "train_args" in inspect.signature(fn).parameters else {}
+            if train_args and not extra:
+                print(f"hftk bench: {name} takes no hftk train options; it runs without {' '.join(train_args)}",
+                      flush=True)
+            results[name] = fn(out / name, **extra, **kwargs)
         except HftkError as exc:
             failures[name] = exc.one_line()
         except Exception:  # a bench that crashed still leaves the others' figures and a report
@@ -183,25 +188,28 @@ def run_benches(out: Path, plan: dict[str, dict[str, Any]], train_args: list[str
 
 
 def bench_command(argv: list[str]) -> int:
-    """Entry point of ``hftk bench``."""
+    """Entry point of ``hftk bench``: every option is checked before the first launch."""
     own, train_args = split_train_args(argv)
     if not own or own[0] in ("-h", "--help"):
         print(__doc__.strip())
         print(f"\nbenches: {', '.join(BENCHES)}, all (available here: {', '.join(available())})")
         return 0
     name, rest = own[0], own[1:]
-    _check_train_args(train_args)
-    command = "hftk bench " + " ".join(argv)
     if name == "all":
         out, plan = parse_all(rest)
-        for name in available():  # option mistakes fail now, not after the first benches ran
-            if name in plan:
-                resolve(name, plan[name])
-        return run_benches(out, plan, train_args, command)
-    if name not in BENCHES:
+    elif name in BENCHES:
+        out, kwargs = parse_single(name, rest)
+        plan = {name: kwargs}
+    else:
         raise HftkError("bench", f"unknown bench '{name}'.", f"use one of: {', '.join(BENCHES)}, all.")
-    out, kwargs = parse_single(name, rest)
-    return run_benches(out, {name: kwargs}, train_args, command)
+    _check_train_args(train_args)
+    for bench in available():  # an unavailable one is reported by run_benches, after the others ran
+        if bench in plan:
+            plan[bench] = resolve(bench, plan[bench])
+            check = getattr(sys.modules[bench_function(bench).__module__], "check_options", None)
+            if check:
+                check(**plan[bench])
+    return run_benches(out, plan, train_args, "hftk bench " + " ".join(argv))
 
 
 def _check_train_args(train_args: list[str]) -> None:

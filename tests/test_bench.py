@@ -1,0 +1,100 @@
+"""``hftk bench all``, reduced (tiny model, few steps, one repeat), end to end through the CLI:
+one report folder with results.json, summary.md and every chart, every figure a finite measured
+number; plus the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from hftk.bench.cli import BENCHES, available
+from hftk.bench.report import numeric_leaves, unmeasured
+from tests.helpers import run
+
+REDUCED = [
+    "--model", "builtin:gpt2-tiny", "--block_size", "64", "--nproc", "2",
+    "--set", "scaling.micro_batch=4", "--set", "scaling.warmup=3", "--set", "scaling.steps=4",
+    "--set", "scaling.repeats=1", "--set", "scaling.target_loss=7.6",
+    "--set", "overhead.micro_batch=4", "--set", "overhead.warmup=3", "--set", "overhead.steps=4",
+    "--set", "overhead.repeats=1",
+    "--set", "batch.max_micro_batch=4", "--set", "batch.global_batch=8", "--set", "batch.budget_gb=8",
+    "--set", "batch.steps=1",
+    "--set", "comm.steps=4", "--set", "comm.warmup_steps=2", "--set", "comm.micro_batch=4",
+]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "report"
+    result = run([sys.executable, "-m", "hftk.cli", "bench", "all", "--out", str(out), *REDUCED], timeout=900)
+    return out, result
+
+
+@pytest.mark.slow
+def test_every_bench_ran(report):
+    out, result = report
+    assert set(available()) == set(BENCHES), f"missing bench modules: {set(BENCHES) - set(available())}"
+    assert result.returncode == 0, result.output[-6000:]
+    payload = json.loads((out / "results.json").read_text())
+    assert list(payload["benches"]) == list(BENCHES) and payload["failures"] == {}
+
+
+@pytest.mark.slow
+def test_report_structure_and_charts(report):
+    out, _ = report
+    payload = json.loads((out / "results.json").read_text())
+    summary = (out / "summary.md").read_text()
+    meta = payload["meta"]
+    assert len(meta["loadavg_start"]) == 3 and meta["cpu_count"] >= 1 and meta["duration_s"] > 0
+    for name, result in payload["benches"].items():
+        assert f"## {name}" in summary
+        assert result["table"]["rows"] and result["table"]["title"] in summary
+        assert result["charts"], name
+        for chart in result["charts"]:
+            png = out / name / chart
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 300_000, png
+            assert f"({name}/{chart})" in summary
+
+
+@pytest.mark.slow
+def test_every_figure_is_a_finite_measured_number(report):
+    out, _ = report
+    benches = json.loads((out / "results.json").read_text())["benches"]
+    assert unmeasured(benches) == []
+    assert len(numeric_leaves(benches)) > 50
+    scaling = benches["scaling"]["by_nproc"]
+    assert set(scaling) == {"1", "2"}
+    assert scaling["1"]["efficiency"]["median"] == 1.0 and 0 < scaling["2"]["efficiency"]["median"] < 1.5
+    assert all(s["target_reached"] == "1/1" for s in scaling.values())
+    overhead = benches["overhead"]
+    assert overhead["throughput_ratio"]["median"] > 0 and overhead["cpu_ratio"]["median"] > 0
+    batch = benches["batch"]["strategies"]["ddp"]
+    assert batch["largest_micro_batch"] == 4 and batch["best_pair"]["micro_batch"] * batch["best_pair"]["accumulation"] == 4
+
+
+@pytest.mark.slow
+def test_balanced_bench_runs_log_no_imbalance_warning(report):
+    out, _ = report
+    records = [json.loads(line) for path in out.glob("scaling/n2-*/run/metrics.jsonl")
+               for line in path.read_text().splitlines() if "rank_stats" in line]
+    assert records and not any(r["imbalance_warning"] for r in records)
+
+
+@pytest.mark.parametrize("args,field", [
+    (["bench", "nope"], "bench"),
+    (["bench", "scaling", "--repeats", "x"], "--repeats"),
+    (["bench", "scaling", "--bogus", "1"], "--bogus"),
+    (["bench", "all", "--set", "scaling.bogus=1"], "--set scaling.bogus"),
+    (["bench", "all", "--only", "scaling,nope"], "--only"),
+    (["bench", "batch", "--global_batch", "7", "--nproc", "2"], "bench.global_batch"),
+    (["bench", "scaling", "--", "--blok_size", "64"], "--blok_size"),
+])
+def test_bad_bench_options_are_one_clear_line(args, field, tmp_path, capsys):
+    from hftk.cli import main
+
+    assert main([*args[:2], "--out", str(tmp_path / "r"), *args[2:]] if args[1] != "nope" else args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and field in err[0] and "Fix:" in err[0], err
+    assert not (tmp_path / "r").exists()
