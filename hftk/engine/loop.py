@@ -39,11 +39,12 @@ from hftk import strategies
 from hftk.checkpoint import announce_resume, atomic_save, resolve_resume, staged_folder, staging_root
 from hftk.engine.guard import check_world
 from hftk.engine.trainer import FINAL_DIR, build_training_arguments, load_data
-from hftk.modeling import load_model
 from hftk.hub import run_record, save_run_record, write_run_files
+from hftk.modeling import load_model
 from hftk.monitor import MetricsCallback, append_jsonl, parameter_digest
 from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionSignal, agree, nonfinite_gradients
 from hftk.run_types import PreparedRun
+from hftk.telemetry import compute_dtype, device_peak_flops, flops_per_token
 
 STATE_FILE = "trainer_state.json"  # the Trainer's own state file (global step, log history)
 SCHEDULER_FILE = "scheduler.pt"
@@ -107,6 +108,7 @@ def run_loop(prepared: PreparedRun) -> dict[str, float]:
     _enable_activation_checkpointing(model, args)
     decay_ids = _decay_parameter_ids(model)
     count_shifted = _loss_shifts_labels(model)
+    token_flops = flops_per_token(model, cfg.data.block_size)
     rt = pipeline.build_runtime(model, cfg.strategy, topo, bf16=bool(args.bf16))
     model_config = model.config
     del model  # this rank keeps only its stages' modules
@@ -116,7 +118,8 @@ def run_loop(prepared: PreparedRun) -> dict[str, float]:
     max_steps, steps_per_epoch, epochs = _plan_steps(args, len(train_loader))
     scheduler = _make_scheduler(args, optimizer, max_steps)
     run = _start_run(prepared, args, rt, model_config, tokenizer, optimizer, scheduler, train_loader,
-                     _eval_loader(args, data.eval, topo) if data.eval is not None else None, max_steps, epochs)
+                     _eval_loader(args, data.eval, topo) if data.eval is not None else None, max_steps, epochs,
+                     token_flops)
     run.count_shifted = count_shifted
     return _train_epochs(run, pipeline, steps_per_epoch, epochs)
 
@@ -201,7 +204,8 @@ def _plan_steps(args: Any, batches_per_epoch: int) -> tuple[int, int, int]:
 
 
 def _start_run(prepared: PreparedRun, args: Any, rt: Any, model_config: Any, tokenizer: Any, optimizer: Any,
-               scheduler: Any, train_loader: Any, eval_loader: Any, max_steps: int, epochs: int) -> Run:
+               scheduler: Any, train_loader: Any, eval_loader: Any, max_steps: int, epochs: int,
+               token_flops: float) -> Run:
     from transformers import DefaultFlowCallback, TrainerControl, TrainerState
     from transformers.integrations import get_reporting_integration_callbacks
     from transformers.trainer_callback import CallbackHandler
@@ -215,8 +219,11 @@ def _start_run(prepared: PreparedRun, args: Any, rt: Any, model_config: Any, tok
     state.is_local_process_zero = args.local_process_index == 0
     samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * rt.topo.dp_size
     metrics_path = cfg.output_dir / cfg.tracking.metrics_file
-    metrics_cb = MetricsCallback(metrics_path, tokens_per_step=samples_per_step * cfg.data.block_size,
-                                 samples_per_step=samples_per_step)
+    tokens_per_step = samples_per_step * cfg.data.block_size
+    peak = device_peak_flops(args.device, compute_dtype(args.bf16, args.fp16))
+    metrics_cb = MetricsCallback(metrics_path, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
+                                 flops_per_step=tokens_per_step * token_flops,
+                                 peak_flops=peak * dist.get_world_size() if peak else None)
     callbacks = [metrics_cb, DefaultFlowCallback, *get_reporting_integration_callbacks(args.report_to)]
     handler = CallbackHandler(callbacks, None, tokenizer, optimizer, scheduler)
     return Run(prepared=prepared, args=args, rt=rt, model_config=model_config, tokenizer=tokenizer,
@@ -283,13 +290,18 @@ def _run_epochs(run: Run, pipeline: Any, resume: str | None, steps_per_epoch: in
             run.control = run.handler.on_step_begin(args, state, run.control)
             step += len(batches)
             loss, grad_norm, lr = _train_step(run, pipeline, batches)
+            if args.logging_nan_inf_filter and not math.isfinite(loss):
+                loss = run.window_loss / (1 + state.global_step - run.last_logged)  # the Trainer's filter
             state.global_step += 1
             state.epoch = epoch + (step + 1) / steps_in_epoch
             run.window_loss += loss
             run.total_loss += loss
             run.control = run.handler.on_step_end(args, state, run.control)
-            _after_guarded_step(run, skipped=math.isnan(grad_norm))
+            _stop_after_step(run)
             _maybe_log_save_evaluate(run, pipeline, grad_norm, lr)
+            if math.isnan(grad_norm):  # the update was dropped (after the step's own log: on_log resets should_log)
+                run.nonfinite_steps.append(state.global_step)
+                _log(run, {"nonfinite_steps_skipped": float(len(run.nonfinite_steps))})
             if run.control.should_epoch_stop or run.control.should_training_stop:
                 break
         run.control = run.handler.on_epoch_end(args, state, run.control)
@@ -383,10 +395,7 @@ def _guard(run: Run) -> bool:
     return nonfinite
 
 
-def _after_guarded_step(run: Run, skipped: bool) -> None:
-    if skipped:
-        run.nonfinite_steps.append(run.state.global_step)
-        _log(run, {"nonfinite_steps_skipped": float(len(run.nonfinite_steps))})
+def _stop_after_step(run: Run) -> None:
     if run.exit_code is not None:
         run.control.should_save = True
         run.control.should_training_stop = True

@@ -94,6 +94,18 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
     return callbacks
 
 
+def load_data(prepared: PreparedRun, args: Any) -> tuple[Any, Any]:
+    """Tokenizer and tokenised blocks (rank 0 first, the others read its cache); shared with hftk.engine.loop."""
+    cfg = prepared.cfg
+    tokenizer = load_tokenizer(cfg.model)
+    with args.main_process_first(desc="tokenize"):
+        data = tokenize_and_pack(cfg.data, prepared.raw, tokenizer, prepared.data_format, args.seed)
+    if prepared.has_eval and data.eval is None:
+        raise HftkError("data.eval_fraction", f"the held-out text is shorter than one block of {cfg.data.block_size}.",
+                        "raise data.eval_fraction, lower data.block_size, or set data.eval_fraction to 0.")
+    return tokenizer, data
+
+
 def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     """Everything up to a ready Trainer: (trainer, strategy module, tokenised data).
 
@@ -106,12 +118,7 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     args = build_training_arguments(prepared, strategy.training_arguments(cfg, prepared.model_config))
     check_world(args.world_size)
 
-    tokenizer = load_tokenizer(cfg.model)
-    with args.main_process_first(desc="tokenize"):
-        data = tokenize_and_pack(cfg.data, prepared.raw, tokenizer, prepared.data_format, args.seed)
-    if prepared.has_eval and data.eval is None:
-        raise HftkError("data.eval_fraction", f"the held-out text is shorter than one block of {cfg.data.block_size}.",
-                        "raise data.eval_fraction, lower data.block_size, or set data.eval_fraction to 0.")
+    tokenizer, data = load_data(prepared, args)
     model = strategy.prepare_model(load_model(cfg.model), cfg)
 
     # A strategy that owns its model/optimizer I/O (FSDP2 shards) supplies its own Trainer.
