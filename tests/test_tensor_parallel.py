@@ -333,3 +333,55 @@ def test_bad_layouts_fail_in_one_line_before_any_process_group(case_id, world, a
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"hftk: error: {field}:") and words in lines[0] and "Fix:" in lines[0], lines[0]
     assert not dist.is_initialized() and not out.exists()
+
+
+# ---------------------------------------------------------------- loop rules (in-process, one rank)
+
+
+def test_data_parallel_ranks_split_each_global_batch_without_repeats():
+    from hftk.engine.mesh_loop import global_batches, rank_slice
+
+    micro, ranks = 3, 2
+    epoch = global_batches(50, micro * ranks, seed=7, epoch=0)
+    seen = [i for batch in epoch for rank in range(ranks) for i in rank_slice(batch, micro, rank)]
+    assert len(seen) == len(set(seen)) == 48  # every sample once per epoch; the remainder of 2 dropped
+    for batch in epoch:
+        assert sorted(rank_slice(batch, micro, 0) + rank_slice(batch, micro, 1)) == sorted(batch)
+    assert global_batches(50, 6, seed=7, epoch=1) != epoch  # reshuffled every epoch
+
+
+@pytest.fixture()
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_nonfinite_gradient_drops_the_update_and_a_signal_is_agreed(one_rank_group):
+    import math
+
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from hftk.builtin import materialize_model
+    from hftk.config import load_config
+    from hftk.engine import mesh_loop
+    from hftk.strategies import tensor
+
+    cfg = load_config([*LLAMA, "--strategy", "tp", "--learning_rate", "1e-3"])
+    layout = tensor.layout(AutoModelForCausalLM.from_pretrained(materialize_model("builtin:llama-tiny")), cfg, "cpu")
+    model = layout.model
+    optimizer = mesh_loop.build_optimizer(model, cfg.training)
+    scheduler = mesh_loop.build_scheduler(optimizer, {"lr_scheduler_type": "linear", "warmup_steps": 0}, 10)
+    ids = torch.randint(0, 2048, (2, 16))
+    batch = {"input_ids": ids, "position_ids": torch.arange(16).expand_as(ids),
+             "shift_labels": F.pad(ids[:, 1:], (0, 1), value=-100)}
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = mesh_loop.train_step(layout, [batch], optimizer, scheduler, 1.0, signalled=True)
+    assert out["skipped"] and out["preempted"] and not math.isfinite(out["loss"])
+    assert all(torch.allclose(before[n], p, equal_nan=True) for n, p in model.named_parameters())
+    assert not optimizer.state and scheduler.last_epoch == 1  # no update, but the schedule advanced

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -39,8 +40,9 @@ from hftk.errors import HftkError
 from hftk.memory import model_state_bytes
 from hftk.modeling import load_model, load_tokenizer
 from hftk.monitor import append_jsonl
-from hftk.telemetry import peak_memory_bytes, reset_peak_memory
+from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionSignal, agree, nonfinite_gradients
 from hftk.run_types import PreparedRun
+from hftk.telemetry import peak_memory_bytes, reset_peak_memory
 
 FINAL_DIR = "final"
 # TrainingArguments fields the loop honours; anything else set explicitly is refused before launch.
@@ -233,11 +235,14 @@ def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
 
 
 def train_step(layout: MeshLayout, micro_batches: list[dict[str, torch.Tensor]], optimizer: Any, scheduler: Any,
-               max_grad_norm: float, count_memory: bool = False) -> dict[str, Any]:
+               max_grad_norm: float, count_memory: bool = False, signalled: bool = False) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches; returns the global mean loss and grad norm.
 
-    ``count_memory``: also this rank's bytes of parameters, gradients and optimizer state, counted
-    right after ``optimizer.step`` (the one moment all three exist).
+    hftk.resilience's rules, agreed by every rank in one all-reduce: a non-finite gradient on any
+    rank drops the update (the step and LR schedule still advance); ``signalled`` (a preemption
+    signal on this rank) comes back as ``preempted`` on all of them. ``count_memory``: also this
+    rank's bytes of parameters, gradients and optimizer state, counted right after
+    ``optimizer.step`` (the one moment all three exist).
     """
     model = layout.model
     model.train()  # from_pretrained returns eval mode; Ulysses and dropout must see training mode
@@ -251,16 +256,18 @@ def train_step(layout: MeshLayout, micro_batches: list[dict[str, torch.Tensor]],
             (summed * (layout.grad_scale / tokens.item())).backward()
         total += plain(summed.detach()).to(torch.float64)
     loss = float(all_reduce_sum(total, layout.data_groups) / tokens)
-    if not math.isfinite(loss):  # every rank sees the same reduced loss: all skip the update together
-        optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "skipped": True}
     layout.reduce_grads()
-    grad_norm = clip_grad_norm(model, max_grad_norm)
-    optimizer.step()
-    memory = model_state_bytes(model, optimizer) if count_memory else None
-    scheduler.step()
+    preempted, nonfinite = agree([signalled, nonfinite_gradients(model.parameters())], tokens.device)
+    out = {"loss": loss, "grad_norm": None, "memory": None, "skipped": nonfinite, "preempted": preempted}
+    if not nonfinite:
+        out["grad_norm"] = clip_grad_norm(model, max_grad_norm)
+        optimizer.step()
+        out["memory"] = model_state_bytes(model, optimizer) if count_memory else None
+    with warnings.catch_warnings():  # a dropped first update: torch warns the schedule runs ahead; it should
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss, "grad_norm": grad_norm, "tokens": float(tokens), "memory": memory, "skipped": False}
+    return out
 
 
 @torch.no_grad()
@@ -406,6 +413,9 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     window: list[dict[str, float]] = []
     result: dict[str, float] = {}
     evaluated_at = -1
+    skipped = 0
+    signal = PreemptionSignal()
+    signal.install()
     while step < max_steps:
         epoch, offset = divmod(step, steps_per_epoch)
         for indices in global_batches(len(data.train), global_batch, seed, epoch)[offset:]:
@@ -417,29 +427,30 @@ def train(prepared: PreparedRun) -> dict[str, float]:
                              for i in range(0, len(indices), span)]
             lr = scheduler.get_last_lr()[0]
             out = train_step(layout, micro_batches, optimizer, scheduler, t.get("max_grad_norm", 1.0),
-                             count_memory=state_bytes is None)
+                             count_memory=state_bytes is None, signalled=signal.received is not None)
             step += 1
+            stop = EXIT_PREEMPTED if out["preempted"] else None
             if out["skipped"]:
-                reporter.log({"step": step, "nonfinite_loss": out["loss"], "step_skipped": True})
-                if cfg.resilience.nan_policy == "stop":
-                    save(step - 1)
-                    raise HftkError("resilience.nan_policy", f"the loss became {out['loss']} at step {step}; "
-                                    f"training stopped with checkpoint-{step - 1} (weights before that step).",
-                                    "lower the learning rate or check the data; resume with "
-                                    "--resume_from_checkpoint latest, or set --nan_policy skip.")
-                continue
-            state_bytes = state_bytes or out["memory"]
-            window.append({"loss": out["loss"], "grad_norm": out["grad_norm"], "learning_rate": lr,
-                           "seconds": time.perf_counter() - started})
-            if step % t.get("logging_steps", 500) == 0 or step == max_steps:
+                skipped += 1
+                reporter.log({"step": step, "nonfinite_steps_skipped": skipped, "nonfinite_loss": out["loss"]})
+                stop = stop or (EXIT_NONFINITE if cfg.resilience.nan_policy == "stop" else None)
+            else:
+                state_bytes = state_bytes or out["memory"]
+                window.append({"loss": out["loss"], "grad_norm": out["grad_norm"], "learning_rate": lr,
+                               "seconds": time.perf_counter() - started})
+            if window and (step % t.get("logging_steps", 500) == 0 or step == max_steps):
                 result = {"train_loss": _log_window(reporter, window, step, steps_per_epoch, global_batch,
                                                     cfg.data.block_size)}
                 window = []
             if data.eval is not None and t.get("eval_strategy") == "steps" and step % t.get("eval_steps", 500) == 0:
                 result.update(_log_eval(layout, data.eval, t, device, step, steps_per_epoch, reporter))
                 evaluated_at = step
-            if t.get("save_strategy", "steps") == "steps" and step % t.get("save_steps", 500) == 0:
+            if stop is not None or (t.get("save_strategy", "steps") == "steps" and step % t.get("save_steps", 500) == 0):
                 save(step)
+            if stop is not None:
+                _exit(stop, step, cfg.output_dir, "preempted" if stop == EXIT_PREEMPTED else
+                      "a NaN/Inf loss (resilience.nan_policy=stop)")
+    signal.uninstall()
     if state_bytes is not None:
         peak = peak_memory_bytes(torch.device(device))  # training phase (eval and the final save excluded)
         reporter.log({"step": step, "memory": gather_objects({**state_bytes, "peak": peak})})
@@ -454,6 +465,18 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _exit(code: int, step: int, output_dir: Path, reason: str) -> None:
+    """Like ``hftk.resilience.stop_if_interrupted``: say where the run stopped, tear down, exit with the code."""
+    import sys
+
+    if dist.get_rank() == 0:
+        print(f"hftk: stopped at step {step}: {reason}; saved {output_dir / f'checkpoint-{step}'}; continue with "
+              f"--resume_from_checkpoint latest (exit {code})", file=sys.stderr, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    raise SystemExit(code)
 
 
 def _log_window(reporter: Reporter, window: list[dict[str, float]], step: int, steps_per_epoch: int,
