@@ -69,12 +69,25 @@ def parameter_digest(model: Any) -> str:
     import torch
 
     digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-        tensor = param.detach()
-        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        digest.update(name.encode())
-        digest.update(tensor.to("cpu", torch.float32).contiguous().numpy().tobytes())
+    named = sorted(model.named_parameters(), key=lambda item: item[0])
+    with _gathered_zero3([param for _, param in named]):
+        for name, param in named:
+            tensor = param.detach()
+            tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            digest.update(name.encode())
+            digest.update(tensor.to("cpu", torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+def _gathered_zero3(params: list[Any]) -> Any:
+    """ZeRO-3 leaves each rank an empty placeholder per parameter: gather the real values first."""
+    from contextlib import nullcontext
+
+    if not any(hasattr(p, "ds_id") for p in params):
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
 class SyncCheckCallback(TrainerCallback):
