@@ -15,6 +15,12 @@ def _train(rest: list[str]) -> int:
     return main(rest)
 
 
+def _export(rest: list[str]) -> int:
+    from hftk.export import main
+
+    return main(rest)
+
+
 def _bench(rest: list[str]) -> int:
     from hftk.bench.cli import bench_command
 
@@ -24,6 +30,7 @@ def _bench(rest: list[str]) -> int:
 # name -> (help, handler taking the remaining argv). Each handler parses its own options.
 COMMANDS = {
     "train": ("Fine-tune in this process, or under a launcher (same options as scripts/finetune.py).", _train),
+    "export": ("Turn any strategy's checkpoint into a standard HF folder (safetensors, config, tokenizer).", _export),
     "bench": ("Measure scaling, memory, communication, pipeline, batch size and overhead; one report folder.", _bench),
 }
 

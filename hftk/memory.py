@@ -91,9 +91,12 @@ def zero_state_bytes(model: torch.nn.Module, zero: Any) -> dict[str, int]:
     """
     ranges = ByteRanges()
     params = list(model.parameters())
-    counts = {"params": ranges.add([*params, *(p.ds_tensor for p in params if hasattr(p, "ds_tensor"))])}
+    # local_tensor maps a ZeRO-3 parameter to its partition; .data is what is gathered or kept whole
+    counts = {"params": ranges.add([*params, *(p.data for p in params)])}
     inner = zero.optimizer
-    masters = [p for group in inner.param_groups for p in group["params"]]
+    # ZeRO-3 empties the inner param groups between sub-group steps; the masters live on the optimizer
+    masters = [*(p for group in inner.param_groups for p in group["params"]),
+               *getattr(zero, "fp32_partitioned_groups_flat", []), *getattr(zero, "single_partition_of_fp32_groups", [])]
     counts["optimizer"] = ranges.add([*masters, *(v for state in inner.state.values() for v in state.values())])
     counts["grads"] = ranges.add([*(p.grad for p in [*params, *masters] if p.grad is not None),
                                   *_tensors_held(zero)])

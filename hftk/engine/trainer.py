@@ -89,6 +89,8 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
         resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))
         trainer.callback_handler.callbacks.insert(0, CompressionCallback(trainer, cfg.strategy, resume))
     callbacks: list[Any] = [WorldGuard(strategy.verify, trainer), ModelStateCallback(metrics_cb.metrics_path)]
+    if hasattr(strategy, "callbacks"):  # after WorldGuard: a strategy's own callbacks see a verified engine
+        callbacks[1:1] = strategy.callbacks(trainer)
     if cfg.tracking.check_sync_steps > 0:
         callbacks.append(SyncCheckCallback(cfg.tracking.check_sync_steps, metrics_cb.metrics_path))
     return callbacks

@@ -10,6 +10,8 @@ Every strategy module answers the same questions with plain functions (no base c
 - ``verify(trainer)``: called at train begin; raise if the run is not really distributed
   the way its name says (the field's silent fallbacks to DDP or to one process).
 - ``save_final(trainer, out_dir)``: write a complete, consolidated HF folder.
+- optional ``callbacks(trainer) -> list``: Trainer callbacks the strategy needs, run after the
+  world guard (DeepSpeed shares ZeRO-3's fp32 master with the parameters at train begin).
 - optional ``trainer_factory(cfg) -> callable``: builds the Trainer instead of
   ``transformers.Trainer`` when the strategy owns model/optimizer I/O (FSDP2's DTensor shards).
 
@@ -31,6 +33,10 @@ from hftk.errors import HftkError
 MODULES = {
     "ddp": "hftk.strategies.ddp",
     "fsdp": "hftk.strategies.fsdp",
+    "zero1": "hftk.strategies.deepspeed",
+    "zero2": "hftk.strategies.deepspeed",
+    "zero3": "hftk.strategies.deepspeed",
+    "zero3_offload": "hftk.strategies.deepspeed",
     "tp": "hftk.strategies.tensor",
     "sp": "hftk.strategies.sequence",
     "pipeline": "hftk.strategies.pipeline",

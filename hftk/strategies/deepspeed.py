@@ -1,0 +1,313 @@
+"""DeepSpeed ZeRO-1, -2, -3 and ZeRO-3 with CPU offload, through the HF Trainer.
+
+The Trainer takes the config dict built by :func:`deepspeed_config` as
+``TrainingArguments(deepspeed=...)``. Building ``TrainingArguments`` registers the config
+globally (``HfDeepSpeedConfig``), so the engine's order - arguments first, model second - makes
+``from_pretrained`` construct a ZeRO-3 model already partitioned (``zero.Init``) instead of whole
+on every rank; :func:`prepare_model` refuses a ZeRO-3 model that was loaded whole.
+
+``deepspeed`` itself is imported only inside functions: importing it prints a banner and costs
+seconds, and ``hftk export`` reads ZeRO checkpoints through this module without training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from hftk.config import RunConfig
+from hftk.errors import HftkError
+
+STAGES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
+OFFLOADED = ("zero3_offload",)
+
+# ZeRO-3 knobs that are not derived from the hidden size (see the field notes: with DeepSpeed's
+# defaults ZeRO-3 peaked above DDP on small models). Counts are elements, not bytes.
+MAX_LIVE_PARAMETERS = 1_000_000
+MAX_REUSE_DISTANCE = 1_000_000
+SUB_GROUP_SIZE = 5_000_000  # the optimizer steps over the partition in groups this big
+
+# DeepSpeed keeps its fp32 master weights in these folders: global_step<N>/, named in `latest`.
+GLOBAL_STEP_RE = re.compile(r"^global_step\d+$")
+
+
+def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
+    """The DeepSpeed config dict of ``cfg.strategy.strategy`` (one of :data:`STAGES`).
+
+    A pure function of the typed config, with DeepSpeed's / the Trainer's ``"auto"`` wherever a
+    value depends on the model or on ``TrainingArguments`` (the Trainer fills them in): that is
+    what lets ``hftk configs`` write it to ``accelerate_configs/deepspeed/<strategy>.json`` for any model.
+    Keep the name and signature stable; ``hftk configs`` calls it.
+
+    - Buckets follow the hidden size h ("auto"): ``reduce_bucket_size`` h^2,
+      ``stage3_prefetch_bucket_size`` 0.9 h^2, ``stage3_param_persistence_threshold`` 10 h.
+      DeepSpeed's own defaults (5e8-element buckets) allocate more than a small model weighs.
+    - ``overlap_comm`` off: overlapping keeps extra gradient buckets alive (memory over speed).
+    - ``gradient_clipping`` is explicit: DeepSpeed clips at 1.0 when told nothing, which would
+      make a ``max_grad_norm`` other than 1.0 differ silently from DDP.
+    - bf16 / fp16 follow ``training.bf16`` / ``training.fp16`` ("auto"); fp16 gets dynamic loss
+      scaling (GPU only; validation refuses fp16 without CUDA).
+    - No ``optimizer`` section: the Trainer builds its torch AdamW (DeepSpeed's "AdamW" would
+      JIT-build fused_adam). ``zero3_offload`` is the exception: offloaded optimizer state needs
+      DeepSpeed's CPU Adam, so it names AdamW and DeepSpeed picks ``DeepSpeedCPUAdam``.
+    """
+    name = cfg.strategy.strategy
+    stage = STAGES[name]
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": "auto",
+    }
+    if stage == 3:
+        zero.update({
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_max_live_parameters": MAX_LIVE_PARAMETERS,
+            "stage3_max_reuse_distance": MAX_REUSE_DISTANCE,
+            "sub_group_size": SUB_GROUP_SIZE,
+            # the Trainer's save_model gathers full weights only with this on (else: empty files)
+            "stage3_gather_16bit_weights_on_model_save": True,
+        })
+    config: dict[str, Any] = {
+        "zero_optimization": zero,
+        "gradient_clipping": float(cfg.training.get("max_grad_norm", 1.0)),
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                 "hysteresis": 2, "min_loss_scale": 1},
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+    }
+    if name in OFFLOADED:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        config["optimizer"] = {"type": "AdamW",
+                               "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+    return config
+
+
+def validate(cfg: RunConfig, world_size: int) -> None:
+    """Options DeepSpeed would silently ignore, and configs that would fight ours."""
+    s, t, name = cfg.strategy, cfg.training, cfg.strategy.strategy
+    if s.fsdp_cpu_offload:
+        raise HftkError("strategy.fsdp_cpu_offload", f"is an FSDP option; {name} (DeepSpeed) would ignore it.",
+                        "use --strategy zero3_offload for DeepSpeed CPU offload, or --strategy fsdp --fsdp_cpu_offload.")
+    if s.fsdp_hybrid:
+        raise HftkError("strategy.fsdp_hybrid", f"is an FSDP option; {name} (DeepSpeed) would ignore it.",
+                        "drop --fsdp_hybrid, or use --strategy fsdp.")
+    if s.grad_compression != "none" or s.hierarchical_allreduce:
+        field = "strategy.grad_compression" if s.grad_compression != "none" else "strategy.hierarchical_allreduce"
+        raise HftkError(field, f"hooks into DDP's all-reduce; {name} reduces gradients inside DeepSpeed.",
+                        "use it with --strategy ddp, or drop it.")
+    if t.get("deepspeed"):
+        raise HftkError("training.deepspeed", f"hftk builds the DeepSpeed config of {name} itself.",
+                        "drop --deepspeed; pick the stage with --strategy zero1|zero2|zero3|zero3_offload.")
+    if t.get("fsdp"):
+        raise HftkError("training.fsdp", f"FSDP and DeepSpeed ({name}) cannot both shard the model.",
+                        "drop --fsdp, or use --strategy fsdp.")
+    if t.get("use_cpu"):
+        raise HftkError("training.use_cpu", f"makes accelerate skip DeepSpeed, so {name} would silently train as DDP.",
+                        "drop --use_cpu; without a GPU DeepSpeed runs on the CPU by itself.")
+    if not isinstance(t.get("accelerator_config") or {}, dict):
+        raise HftkError("training.accelerator_config", f"{name} adds to it, so it must be given inline.",
+                        "write accelerator_config as a mapping in the run YAML.")
+    optim = str(t.get("optim", "adamw_torch"))
+    if name in OFFLOADED and not optim.startswith("adamw"):
+        raise HftkError("training.optim", f"{name} steps the optimizer on the CPU with DeepSpeed's CPU AdamW, "
+                        f"not {optim}.", "drop --optim, or use --strategy zero3 to keep your optimizer.")
+    if "LOCAL_RANK" not in os.environ:
+        raise HftkError("launch", f"{name} runs under a launcher, even for one process (DeepSpeed reads its rank "
+                        "from the environment).", "use `torchrun --nproc_per_node N scripts/finetune.py ...` or "
+                        f"`accelerate launch --config_file accelerate_configs/{name}.yaml scripts/finetune.py ...`.")
+
+
+def training_arguments(cfg: RunConfig, model_config: Any) -> dict[str, Any]:
+    """``deepspeed=<dict>``: the Trainer fills the "auto" values and registers it before the model loads.
+
+    ``use_cpu`` stays False even without a GPU: accelerate turns DeepSpeed off when told "cpu"
+    (the run would silently be DDP). On DeepSpeed's CPU accelerator, accelerate 1.15 finds no
+    backend and reports world size 1 while DeepSpeed's group has N ranks, so this starts the
+    shared accelerate state itself, with DeepSpeed's backend (gloo, or ccl when oneCCL is
+    installed), and the Trainer is told to use it.
+    """
+    kwargs: dict[str, Any] = {"deepspeed": deepspeed_config(cfg), "use_cpu": False}
+    if _deepspeed_device() == "cpu":
+        _start_cpu_state(int(cfg.training.get("ddp_timeout", 1800)))
+        kwargs["accelerator_config"] = {**(cfg.training.get("accelerator_config") or {}), "use_configured_state": True}
+    return kwargs
+
+
+def _deepspeed_device() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
+def _start_cpu_state(timeout_s: int) -> None:
+    """accelerate's state as a GPU launch gets it: DeepSpeed comm up, backend named, world size right."""
+    from datetime import timedelta
+
+    from accelerate import PartialState
+    from deepspeed.accelerator import get_accelerator
+
+    before = os.environ.get("ACCELERATE_USE_DEEPSPEED")  # set by `accelerate launch --use_deepspeed`
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # read once by PartialState, as TrainingArguments does
+    try:
+        PartialState(backend=get_accelerator().communication_backend_name(), timeout=timedelta(seconds=timeout_s))
+    finally:
+        if before is None:
+            del os.environ["ACCELERATE_USE_DEEPSPEED"]
+        else:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = before
+
+
+def prepare_model(model: Any, cfg: RunConfig) -> Any:
+    """Nothing to apply (the Trainer wraps the engine); ZeRO-3 must have been partitioned at load."""
+    if STAGES[cfg.strategy.strategy] == 3 and not all(hasattr(p, "ds_id") for p in model.parameters()):
+        raise HftkError(
+            "strategy.strategy", f"{cfg.strategy.strategy}: the model was loaded whole, not partitioned by zero.Init, "
+            "so every rank would first hold all of it.",
+            "build TrainingArguments(deepspeed=...) before from_pretrained (hftk's engine does).",
+        )
+    return model
+
+
+def verify(trainer: Any) -> None:
+    """The Trainer must run a DeepSpeed engine of the asked stage, partitioned over the launched world."""
+    from deepspeed import DeepSpeedEngine
+
+    asked = trainer.args.deepspeed["zero_optimization"]
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    engine = trainer.model_wrapped
+    fix = "launch with torchrun or `accelerate launch --config_file accelerate_configs/<strategy>.yaml`."
+    if not isinstance(engine, DeepSpeedEngine):
+        raise HftkError("strategy.strategy", f"ZeRO-{asked['stage']} was asked for but the Trainer wrapped the "
+                        f"model as {type(engine).__name__}.", fix)
+    stage, ranks = engine.zero_optimization_stage(), engine.dp_world_size
+    if stage != asked["stage"] or ranks != launched:
+        raise HftkError("strategy.strategy", f"ZeRO-{asked['stage']} over {launched} rank(s) was asked for, the "
+                        f"engine runs ZeRO-{stage} over {ranks}.", fix)
+    if "offload_optimizer" in asked and not (engine.zero_offload_optimizer() and engine.zero_offload_param()):
+        raise HftkError("strategy.strategy", "CPU offload was asked for, the engine keeps state on the device.", fix)
+    if stage == 3:
+        _check_partitioned(trainer.model, ranks)
+
+
+def _check_partitioned(model: Any, ranks: int) -> None:
+    """Each rank's ZeRO-3 partition of every parameter holds about 1/ranks of it."""
+    for name, param in model.named_parameters():
+        expected = -(-param.ds_numel // ranks)
+        if param.ds_tensor.numel() != expected and param.ds_tensor.numel() != param.ds_numel:
+            raise HftkError("strategy.strategy", f"ZeRO-3 partition of {name} has {param.ds_tensor.numel()} of "
+                            f"{param.ds_numel} elements at {ranks} ranks.", "report this with the DeepSpeed version.")
+
+
+def callbacks(trainer: Any) -> list[Any]:
+    """Trainer callbacks this strategy needs: sharing ZeRO-3's fp32 master with the parameters."""
+    return [SharedMasterCallback(trainer)]
+
+
+class SharedMasterCallback(TrainerCallback):
+    """At train begin (engine built, checkpoint loaded, no step yet), see :func:`share_fp32_master`."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        freed = share_fp32_master(self.trainer.model_wrapped.optimizer)
+        if freed and state.is_world_process_zero:
+            print(f"hftk: ZeRO-3 steps the fp32 parameter partition itself, no fp32 master copy "
+                  f"({freed / 2**20:.1f} MiB less per rank)", flush=True)
+
+
+def share_fp32_master(zero: Any) -> int:
+    """Let ZeRO-3's optimizer step the fp32 parameter partition itself instead of an fp32 copy.
+
+    With fp32 weights the "master" partition duplicates the parameter partition. DeepSpeed
+    0.19.8 means to alias them (stage3.py ``_create_fp32_partitions``: same dtype and device ->
+    no copy, and ``_reassign_or_swap_out_partitioned_parameters`` is written for aliases), but
+    its check compares a ``torch.device`` with the string ``get_accelerator().current_device_name()``
+    returns, which is never equal, so every rank keeps a redundant copy (1/N of the model in
+    fp32). This applies DeepSpeed's own alias. Mixed precision (bf16 / fp16 partitions with an
+    fp32 master), offload and NVMe swapping keep their copies. Returns the bytes freed.
+    """
+    if not hasattr(zero, "fp32_partitioned_groups_flat") or zero.offload_optimizer or zero.swap_optimizer:
+        return 0
+    freed = 0
+    for low, master in zip(zero.fp16_partitioned_groups_flat, zero.fp32_partitioned_groups_flat):
+        if low is None or low.dtype != master.dtype or low.device != master.device:
+            continue
+        if low.data_ptr() == master.data_ptr():
+            continue
+        if not torch.equal(low, master):
+            raise HftkError("strategy.strategy", "ZeRO-3's fp32 master and parameter partitions differ at train begin.",
+                            "report this with the DeepSpeed version; hftk expects DeepSpeed 0.19.")
+        freed += master.numel() * master.element_size()
+        master.data = low.data
+    return freed
+
+
+def save_final(trainer: Any, out_dir: Path) -> None:
+    """The Trainer gathers ZeRO-3 partitions (16-bit gather flag on); then prove the folder complete."""
+    trainer.save_model(str(out_dir))
+    if trainer.args.should_save:
+        from hftk.export import check_complete, shapes_of
+
+        check_complete(out_dir, shapes_of(trainer.model))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---- checkpoints: detection and consolidation for `hftk export` ----
+
+def is_zero_checkpoint(path: Path) -> bool:
+    """A Trainer checkpoint written by a DeepSpeed engine: ``global_step<N>/`` beside ``latest``."""
+    return (path / "latest").is_file() and any(GLOBAL_STEP_RE.match(p.name) for p in path.iterdir() if p.is_dir())
+
+
+def zero_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The fp32 master weights merged from every rank's ZeRO shards (any stage, any world size).
+
+    DeepSpeed's reader, loaded with ``weights_only`` forced on: its pickles are opened with an
+    allow-list of DeepSpeed's own small classes instead of arbitrary code execution.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        with _weights_only_loads():
+            return get_fp32_state_dict_from_zero_checkpoint(str(path))
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL (\S+)", str(exc))
+        raise HftkError("CHECKPOINT", f"{path} pickles {found.group(1) if found else 'an object'}, which is not on "
+                        "hftk's allow-list for DeepSpeed checkpoints (weights-only loading).",
+                        "export with the DeepSpeed version that wrote it, or convert it with DeepSpeed's "
+                        "zero_to_fp32.py if you trust its source.") from None
+
+
+@contextlib.contextmanager
+def _weights_only_loads() -> Iterator[None]:
+    """``torch.load`` weights-only even where DeepSpeed passes ``weights_only=False``; allow-list what it pickles."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
