@@ -1,12 +1,34 @@
-"""Finding checkpoints: ``checkpoint-N`` folders under the output dir, newest complete first."""
+"""Checkpoints no kill can corrupt, and finding the newest complete one.
+
+A checkpoint is written into ``<output_dir>/.staging/checkpoint-N``; then every file and folder
+is fsynced, a marker (``hftk_complete.json``: the step and every file with its size) is written
+last, and the folder is renamed to ``<output_dir>/checkpoint-N`` (one atomic rename on one
+filesystem). ``latest`` only picks folders whose marker lists files that are all present with
+those sizes, so a kill at any moment leaves the previous checkpoints or the new one, never half.
+
+The HF Trainer writes ``checkpoint-N`` itself: :func:`install_atomic_checkpoints` points
+``args.output_dir`` at the staging root for one save plus its ``on_save`` callbacks, so every
+file a strategy (DeepSpeed shards, FSDP DCP) or callback (compression state) writes "into the
+checkpoint" lands in the staging folder; after a barrier the publisher renames it into place.
+Loops without the Trainer (pipeline) call :func:`atomic_save`; any folder that must appear
+whole (``final``) is written through :func:`staged_folder`.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-COMPLETE_MARKER = "trainer_state.json"  # the Trainer writes it after weights and optimizer state
+COMPLETE_MARKER = "hftk_complete.json"  # written last, after every other file is on disk
+STAGING_DIR = ".staging"  # under the output dir: same filesystem, so the publishing rename is atomic
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
@@ -16,16 +38,244 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     found = []
     for child in Path(output_dir).iterdir():
         match = CHECKPOINT_RE.match(child.name)
-        if match and child.is_dir() and (child / COMPLETE_MARKER).exists():
+        if match and child.is_dir() and is_complete(child):
             found.append((int(match.group(1)), child))
     return [path for _, path in sorted(found)]
 
 
+def restart_count() -> int:
+    """How many times torch elastic (torchrun / accelerate ``--max_restarts``) restarted this group."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def resolve_resume(output_dir: Path, value: str | None) -> str | None:
-    """``latest`` -> newest complete checkpoint (or None to start fresh); a path passes through."""
+    """``latest`` -> newest complete checkpoint (or None to start fresh); a path passes through.
+
+    After an elastic restart the newest complete checkpoint of this run wins over whatever the
+    command line asked for: the group must continue where it died, not where it first started.
+    """
+    checkpoints = list_checkpoints(output_dir)
+    if restart_count() > 0 and checkpoints:
+        return str(checkpoints[-1])
     if not value:
         return None
     if value == "latest":
-        checkpoints = list_checkpoints(output_dir)
         return str(checkpoints[-1]) if checkpoints else None
     return value
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step}"
+
+
+def staging_root(output_dir: Path) -> Path:
+    return Path(output_dir) / STAGING_DIR
+
+
+def is_complete(folder: Path) -> bool:
+    """The marker exists and every file it lists is present with its recorded size."""
+    try:
+        files = json.loads((Path(folder) / COMPLETE_MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return all(_size(Path(folder) / rel) == size for rel, size in files.items())
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def _fsync(path: Path) -> None:
+    """Flush one file or folder entry to stable storage (folders too: renames live in them)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def seal(folder: Path, step: int | None) -> None:
+    """fsync every file and folder under ``folder``, then write the completion marker last."""
+    from hftk import __version__
+
+    folder = Path(folder)
+    (folder / COMPLETE_MARKER).unlink(missing_ok=True)
+    files: dict[str, int] = {}
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = Path(root) / name
+            _fsync(path)
+            files[path.relative_to(folder).as_posix()] = path.stat().st_size
+        _fsync(Path(root))
+    marker = {"step": step, "files": files, "hftk_version": __version__, "sealed_at": time.time()}
+    tmp = folder / f"{COMPLETE_MARKER}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(marker, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / COMPLETE_MARKER)
+    _fsync(folder)
+
+
+def retire(folder: Path) -> None:
+    """Delete a published folder so that a kill mid-delete never leaves a "complete" remnant."""
+    (Path(folder) / COMPLETE_MARKER).unlink(missing_ok=True)
+    _fsync(Path(folder))
+    shutil.rmtree(folder)
+
+
+def publish(staged: Path, final: Path, step: int | None) -> None:
+    """Seal ``staged`` and rename it to ``final`` (an older folder of that name is retired first)."""
+    if not staged.exists() and is_complete(final):
+        return  # another node's publisher already renamed this shared folder
+    seal(staged, step)
+    if final.exists():
+        retire(final)
+    os.rename(staged, final)
+    _fsync(final.parent)
+    if not any(staged.parent.iterdir()):
+        staged.parent.rmdir()  # an empty staging folder would only puzzle whoever looks at the output dir
+
+
+def rotate(output_dir: Path, limit: int | None, protect: tuple[str | None, ...] = ()) -> list[Path]:
+    """Keep the newest ``limit`` complete checkpoints (None or <= 0: keep all) plus ``protect``."""
+    checkpoints = list_checkpoints(output_dir)
+    if not limit or limit <= 0 or len(checkpoints) <= limit:
+        return []
+    protected = {Path(p).resolve() for p in protect if p}
+    retired = [c for c in checkpoints[:-limit] if c.resolve() not in protected]
+    for checkpoint in retired:
+        retire(checkpoint)
+    return retired
+
+
+def discard_staging(output_dir: Path) -> list[Path]:
+    """Remove what saves cut short by a kill left in the staging folder; returns what was removed."""
+    root = staging_root(output_dir)
+    leftovers = sorted(root.iterdir()) if root.is_dir() else []
+    for path in leftovers:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return leftovers
+
+
+def announce_resume(output_dir: Path, resume: str | None, publisher: bool) -> None:
+    """Before training (publisher only): drop what saves cut short by a kill left, say where training starts."""
+    if not publisher:
+        return
+    for leftover in discard_staging(output_dir):
+        print(f"hftk: discarded incomplete save {leftover}", file=sys.stderr, flush=True)
+    if resume:
+        why = f" (elastic restart {restart_count()})" if restart_count() else ""
+        print(f"hftk: resuming from {resume}{why}", file=sys.stderr, flush=True)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+@contextmanager
+def staged_folder(final: Path, publisher: bool, step: int | None = None) -> Iterator[Path]:
+    """Collective: every rank writes into the yielded staging folder; on exit it appears as ``final``.
+
+    Nothing is published when the body raises: ``final`` keeps its previous content, if any.
+    """
+    final = Path(final)
+    staged = staging_root(final.parent) / final.name
+    if publisher:
+        if staged.exists():
+            shutil.rmtree(staged)
+        staged.mkdir(parents=True)
+    _barrier()
+    yield staged
+    _barrier()  # every rank's files are written
+    if publisher:
+        publish(staged, final, step)
+    _barrier()  # nobody moves on before the folder is in place
+
+
+def atomic_save(output_dir: Path, step: int, write: Callable[[Path], None], save_total_limit: int | None = None) -> Path:
+    """Collective atomic ``checkpoint-<step>`` for loops without the Trainer: ``write(folder)`` writes this rank's files.
+
+    Rank 0 publishes and then keeps the newest ``save_total_limit`` complete checkpoints.
+    """
+    final = Path(output_dir) / checkpoint_name(step)
+    with staged_folder(final, publisher=_rank() == 0, step=step) as folder:
+        write(folder)
+    if _rank() == 0:
+        rotate(output_dir, save_total_limit, protect=(str(final),))
+    return final
+
+
+def install_atomic_checkpoints(trainer: Any, after_publish: Callable[[Path], None] | None = None) -> None:
+    """Make every checkpoint of this Trainer atomic; ``after_publish(folder)`` runs on the publisher.
+
+    Two instance-level hooks, no subclass (strategies may bring their own Trainer class):
+    ``_save_checkpoint`` runs with ``args.output_dir`` pointing at the staging root, and
+    ``callback_handler.on_save`` publishes once every ``on_save`` callback has written its files.
+    The Trainer's own rotation sees only the staging folder; :func:`rotate` applies
+    ``save_total_limit`` to complete checkpoints, and only after the new one is in place.
+    """
+    save_checkpoint = trainer._save_checkpoint
+    on_save = trainer.callback_handler.on_save
+    saving: dict[str, Path] = {}
+
+    def staged_save_checkpoint(model: Any, trial: Any) -> None:
+        output_dir = Path(trainer.args.output_dir)
+        staged = staging_root(output_dir) / checkpoint_name(trainer.state.global_step)
+        if trainer.args.should_save and staged.exists():
+            shutil.rmtree(staged)  # a save of this step cut short before a restart
+        _barrier()
+        saving.update(output_dir=output_dir, staged=staged)
+        trainer.args.output_dir = str(staging_root(output_dir))
+        try:
+            save_checkpoint(model, trial)
+        except BaseException:
+            trainer.args.output_dir = str(output_dir)
+            saving.clear()
+            raise
+
+    def on_save_then_publish(args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        try:
+            control = on_save(args, state, control, **kwargs)
+        finally:
+            if saving:
+                trainer.args.output_dir = str(saving["output_dir"])
+        if saving:
+            _publish_trainer_checkpoint(trainer, saving.pop("output_dir"), saving.pop("staged"), after_publish)
+        return control
+
+    trainer._save_checkpoint = staged_save_checkpoint
+    trainer.callback_handler.on_save = on_save_then_publish
+
+
+def _publish_trainer_checkpoint(trainer: Any, output_dir: Path, staged: Path,
+                                after_publish: Callable[[Path], None] | None) -> None:
+    state, args = trainer.state, trainer.args
+    final = output_dir / staged.name
+    best = state.best_model_checkpoint
+    if best and Path(best).parent == staged.parent:  # the Trainer recorded the staging path
+        state.best_model_checkpoint = str(output_dir / Path(best).name)
+    _barrier()  # every rank's files are in the staging folder
+    if args.should_save:
+        if best != state.best_model_checkpoint and (staged / "trainer_state.json").exists():
+            state.save_to_json(str(staged / "trainer_state.json"))
+        publish(staged, final, state.global_step)
+        rotate(output_dir, args.save_total_limit, protect=(state.best_model_checkpoint, str(final)))
+        if after_publish is not None:
+            after_publish(final)
+    _barrier()

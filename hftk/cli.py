@@ -27,9 +27,16 @@ def _bench(rest: list[str]) -> int:
     return bench_command(rest)
 
 
+def _push(rest: list[str]) -> int:
+    from hftk.hub import push_command
+
+    return push_command(rest)
+
+
 # name -> (help, handler taking the remaining argv). Each handler parses its own options.
 COMMANDS = {
     "train": ("Fine-tune in this process, or under a launcher (same options as scripts/finetune.py).", _train),
+    "push": ("Push a final folder or a checkpoint to the Hub with a generated model card.", _push),
     "export": ("Turn any strategy's checkpoint into a standard HF folder (safetensors, config, tokenizer).", _export),
     "bench": ("Measure scaling, memory, communication, pipeline, batch size and overhead; one report folder.", _bench),
 }

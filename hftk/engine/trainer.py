@@ -14,14 +14,16 @@ from typing import Any
 import torch
 
 from hftk import strategies
-from hftk.checkpoint import resolve_resume
+from hftk.checkpoint import announce_resume, install_atomic_checkpoints, resolve_resume, staged_folder
 from hftk.comm.callback import CompressionCallback
 from hftk.comm.register import is_active as comm_active
 from hftk.data import tokenize_and_pack
 from hftk.engine.guard import WorldGuard, check_world
 from hftk.errors import HftkError
+from hftk.hub import run_pusher, run_record, save_run_record, write_run_files
 from hftk.memory import ModelStateCallback
 from hftk.modeling import load_model, load_tokenizer
+from hftk.resilience import StepGuard, stop_if_interrupted
 from hftk.monitor import MetricsCallback, SyncCheckCallback
 from hftk.telemetry import RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops, flops_per_token
 from hftk.run_types import PreparedRun
@@ -39,6 +41,7 @@ def build_training_arguments(prepared: PreparedRun, extra: dict[str, Any]) -> An
     kwargs.setdefault(_checkpointing_kwargs_field(), {"use_reentrant": False})  # reentrant breaks DDP + LoRA
     if not prepared.has_eval:
         kwargs["eval_strategy"] = "no"
+    kwargs["push_to_hub"] = False  # hftk.hub pushes (card, retries, background); the Trainer would push twice
     _configure_wandb(cfg, kwargs)
     return TrainingArguments(**kwargs)
 
@@ -88,7 +91,8 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
         # Ahead of the metrics callback, so the byte counters it adds to each log reach metrics.jsonl.
         resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))
         trainer.callback_handler.callbacks.insert(0, CompressionCallback(trainer, cfg.strategy, resume))
-    callbacks: list[Any] = [WorldGuard(strategy.verify, trainer), ModelStateCallback(metrics_cb.metrics_path)]
+    callbacks: list[Any] = [WorldGuard(strategy.verify, trainer), StepGuard(trainer, cfg.resilience.nan_policy),
+                            ModelStateCallback(metrics_cb.metrics_path)]
     if hasattr(strategy, "callbacks"):  # after WorldGuard: a strategy's own callbacks see a verified engine
         callbacks[1:1] = strategy.callbacks(trainer)
     if cfg.tracking.check_sync_steps > 0:
@@ -138,13 +142,25 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     """Run the Trainer for a prepared (validated) config; returns the final metrics."""
     cfg = prepared.cfg
     trainer, strategy, data = build_trainer(prepared)
+    pusher = run_pusher(prepared, trainer, cfg.output_dir / cfg.tracking.metrics_file)
+    install_atomic_checkpoints(trainer, after_publish=pusher.checkpoint_published if pusher else None)
     resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))
+    announce_resume(cfg.output_dir, resume, trainer.args.should_save)
+    if trainer.args.should_save:  # what `hftk push checkpoint-N` writes the model card from
+        save_run_record(cfg.output_dir, run_record(cfg, trainer.args, prepared.world_size, prepared.data_format, 0))
     result = trainer.train(resume_from_checkpoint=resume)
+    stop_if_interrupted(trainer)  # preempted, or nan_policy=stop: exits with its own code
     metrics = dict(result.metrics)
     step = trainer.state.global_step
     if data.eval is not None and not any("eval_loss" in h and h.get("step") == step for h in trainer.state.log_history):
         metrics.update(trainer.evaluate())  # the Trainer did not evaluate the final weights itself
-    strategy.save_final(trainer, cfg.output_dir / FINAL_DIR)
+    with staged_folder(cfg.output_dir / FINAL_DIR, publisher=trainer.args.should_save) as final:
+        strategy.save_final(trainer, final)
+        if trainer.args.should_save:
+            record = run_record(cfg, trainer.args, prepared.world_size, prepared.data_format, step, metrics)
+            write_run_files(final, record, cfg.training.get("hub_model_id"))
+    if pusher is not None:
+        pusher.push_final(cfg.output_dir / FINAL_DIR, step)  # waits; a failed push is reported, not raised
     # Tear the process group down ourselves: gloo aborts ("terminate called without an active
     # exception") when the interpreter exits with it still alive.
     trainer.accelerator.end_training()

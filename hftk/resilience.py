@@ -1,0 +1,172 @@
+"""Preemption and non-finite losses, decided by all ranks together at each optimizer step.
+
+One tiny all-reduce per optimizer step carries two flags: "a preemption signal (SIGTERM or
+SIGUSR1) reached some rank" and "some rank saw a non-finite gradient". Every rank takes the
+same decision at the same step; a rank reacting alone would wait forever in the collectives
+of a save the others never start.
+
+- Preemption: the step in flight finishes, every rank saves an emergency checkpoint (atomic,
+  see :mod:`hftk.checkpoint`) and the process exits with :data:`EXIT_PREEMPTED`. A second
+  signal while that is under way gets the default action (the scheduler insists).
+- Non-finite gradient (a NaN/Inf loss on any rank): the update is dropped (no parameter or
+  optimizer-state change; the step counter and learning-rate schedule still advance). With
+  ``resilience.nan_policy=stop`` the run then saves that state and exits with
+  :data:`EXIT_NONFINITE`. DeepSpeed skips non-finite updates itself (its overflow check);
+  hftk reads ``engine.was_step_applied()`` there.
+
+Exit codes are the process's own; torchrun lists them per rank in its failure report and
+exits 1. Under ``--max_restarts`` the agent restarts the group, which resumes from the
+emergency checkpoint (see :func:`hftk.checkpoint.resolve_resume`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+from transformers import TrainerCallback
+
+EXIT_PREEMPTED = 75  # os.EX_TEMPFAIL: the run saved itself and wants to be resumed
+EXIT_NONFINITE = 65  # os.EX_DATAERR: nan_policy=stop met a NaN/Inf loss
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+logger = logging.getLogger(__name__)
+
+
+def check_restartable(env: dict[str, str]) -> None:
+    """Refuse ``--max_restarts`` where torch elastic cannot bring the group back.
+
+    With the static rendezvous (torchrun's and accelerate's default) and with c10d sharing its
+    store (torch's default), every round's workers use the same store without a per-round
+    prefix: restarted ranks read the dead round's gloo / NCCL addresses and hang or fail
+    (measured here; pytorch/pytorch#135712). Only c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    gives each round a fresh store, which the workers see as TORCHELASTIC_USE_AGENT_STORE=False.
+    """
+    from hftk.errors import HftkError
+
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise HftkError(
+            "launch", "--max_restarts with a store shared across rounds: restarted ranks would read the dead "
+            "round's addresses from it and hang.",
+            "launch with the c10d rendezvous and a fresh store per round: `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "accelerate launch --rdzv_backend c10d --max_restarts K ...` or `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "torchrun --standalone --max-restarts K ...`.")
+
+
+class PreemptionSignal:
+    """Remembers that SIGTERM / SIGUSR1 arrived instead of dying; the training loop decides when to act."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in PREEMPTION_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            self.uninstall()
+            os.kill(os.getpid(), signum)
+            return
+        self.received = signum
+
+
+def agree(flags: list[bool], device: Any) -> list[bool]:
+    """Element-wise OR of ``flags`` over every rank (one small all-reduce; identity without a group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return list(flags)
+    tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in tensor.tolist()]
+
+
+def nonfinite_gradients(parameters: Iterable[torch.nn.Parameter]) -> bool:
+    """Whether any local gradient (a DTensor's local shard) holds a NaN or Inf.
+
+    The max-abs norm never overflows a finite gradient, unlike the 2-norm in half precision.
+    """
+    by_device: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    for param in parameters:
+        grad = param.grad
+        if grad is not None:
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad
+            by_device[grad.device].append(grad)
+    return any(not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).all())
+               for grads in by_device.values())
+
+
+class StepGuard(TrainerCallback):
+    """The Trainer side: agree on the flags before each optimizer step, act at the step's end."""
+
+    def __init__(self, trainer: Any, nan_policy: str) -> None:
+        self.trainer = trainer
+        self.nan_policy = nan_policy
+        self.signal = PreemptionSignal()
+        self.exit_code: int | None = None
+        self.reason = ""
+        self.nonfinite_steps: list[int] = []
+        self._nonfinite_now = False
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.signal.install()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.signal.uninstall()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        preempted, nonfinite = agree([self.signal.received is not None, self._local_nonfinite()], args.device)
+        self._nonfinite_now = nonfinite
+        if nonfinite:
+            for param in self.trainer.model.parameters():
+                param.grad = None  # torch optimizers skip parameters without a gradient
+            if self.nan_policy == "stop" and self.exit_code is None:
+                self.exit_code, self.reason = EXIT_NONFINITE, "a NaN/Inf loss (resilience.nan_policy=stop)"
+        if preempted and self.exit_code is None:
+            name = signal.Signals(self.signal.received).name if self.signal.received else "a signal on another rank"
+            self.exit_code, self.reason = EXIT_PREEMPTED, f"preempted ({name})"
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._nonfinite_now:
+            self.nonfinite_steps.append(state.global_step)
+            if state.is_world_process_zero:
+                logger.warning("step %d: non-finite gradient on some rank; the update was skipped", state.global_step)
+            self.trainer.log({"nonfinite_steps_skipped": float(len(self.nonfinite_steps))})
+        if self.exit_code is not None:
+            control.should_save = True
+            control.should_training_stop = True
+
+    def _local_nonfinite(self) -> bool:
+        trainer = self.trainer
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            engine = trainer.model_wrapped  # DeepSpeed has already stepped (and skipped an overflow)
+            return not engine.was_step_applied() and not engine.fp16_enabled()
+        return nonfinite_gradients(trainer.model.parameters())
+
+
+def stop_if_interrupted(trainer: Any) -> None:
+    """After ``trainer.train()``: exit with the guard's code when it stopped the run early."""
+    guard = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StepGuard)), None)
+    if guard is None or guard.exit_code is None:
+        return
+    from hftk.checkpoint import list_checkpoints
+
+    if trainer.args.should_save:
+        saved = list_checkpoints(trainer.args.output_dir)
+        where = saved[-1] if saved else "no checkpoint"
+        print(f"hftk: stopped at step {trainer.state.global_step}: {guard.reason}; saved {where}; "
+              f"continue with --resume_from_checkpoint latest (exit {guard.exit_code})", file=sys.stderr, flush=True)
+    trainer.accelerator.end_training()
+    raise SystemExit(guard.exit_code)

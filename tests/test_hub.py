@@ -1,0 +1,147 @@
+"""Push to the Hub: retries against a failing server, round trip, model card, privacy, the token kept secret.
+
+The Hub is ``tests/hub_server.py`` on 127.0.0.1, driven by the real huggingface_hub client.
+The training run is the shared reference run of ``tests/faults.py`` (2-rank DDP, 30 steps,
+``--hub_strategy checkpoint``), whose server fails the first two commits and the first LFS
+upload.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hftk.hub import CARD_FILE, MODEL_PATTERNS, RUN_FILE, folder_files
+from tests.faults import REPO, TOKEN, hub_env, hub_server, reference_run
+from tests.helpers import TINY_ARGS, load_weights, max_weight_diff, metrics, run
+
+pytestmark = pytest.mark.slow
+AFTER_THE_FACT = "hftk-test/checkpoint-15"
+
+
+@pytest.fixture(scope="module")
+def pushed(tmp_path_factory):
+    out, result = reference_run(tmp_path_factory.getbasetemp())
+    hub = hub_server()
+    cli = run([sys.executable, "-m", "hftk.cli", "push", str(out / "checkpoint-15"), AFTER_THE_FACT,
+               "--retry_backoff_s", "0.1"], timeout=300, env=hub_env(hub))
+    return out, result, hub, cli
+
+
+def repo_files(hub, repo_id: str) -> dict[str, bytes]:
+    return hub.state.files(repo_id)
+
+
+def test_failed_attempts_are_retried_and_reported(pushed):
+    out, _, _, _ = pushed
+    pushes = [m for m in metrics(out) if "hub_push" in m]
+    first = next(m for m in pushes if m["hub_push"] != "superseded")
+    assert first["hub_push"] == "ok" and first["hub_attempts"] == 3  # two injected commit failures
+    final = [m for m in pushes if m["hub_target"] == "final"]
+    assert final and final[-1]["hub_push"] == "ok"
+
+
+def test_repository_holds_the_complete_final_model_and_last_checkpoint(pushed):
+    out, _, hub, _ = pushed
+    files = repo_files(hub, REPO)
+    expected = {rel: path.read_bytes() for rel, path in folder_files(out / "final").items()}
+    expected.update({rel: p.read_bytes() for rel, p in folder_files(out / "checkpoint-30", prefix="last-checkpoint/").items()})
+    expected[".gitattributes"] = files[".gitattributes"]
+    assert files.keys() == expected.keys()
+    for rel in files:
+        assert files[rel] == expected[rel], rel
+    assert {"model.safetensors", "config.json", "tokenizer.json", CARD_FILE} <= files.keys()
+
+
+def test_repository_is_private_and_only_hftk_committed(pushed):
+    _, _, hub, _ = pushed
+    repo = hub.state.repos[REPO]
+    assert repo.private
+    assert all(m.startswith("hftk: ") for m in repo.messages[1:]), repo.messages  # no Trainer push
+    assert repo.messages[-1] == "hftk: final model"
+
+
+def test_download_and_reload_round_trip(pushed, tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import snapshot_download
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, _, hub, _ = pushed
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    folder = Path(snapshot_download(REPO, endpoint=hub.base_url, token=TOKEN, cache_dir=tmp_path,
+                                    allow_patterns=["*.json", "*.safetensors", "*.md"]))
+    assert max_weight_diff(load_weights(out / "final"), load_weights(folder)) == 0.0
+    local = AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    remote = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    batch = tokenizer(["In the beginning God created the heaven and the earth."] * 2, return_tensors="pt")
+    with torch.no_grad():
+        a = local(**batch, labels=batch["input_ids"]).loss
+        b = remote(**batch, labels=batch["input_ids"]).loss
+    assert torch.isfinite(a) and a.item() == b.item()
+
+
+def test_model_card_is_present_and_accurate(pushed):
+    out, _, hub, _ = pushed
+    card = repo_files(hub, REPO)[CARD_FILE].decode()
+    meta = yaml.safe_load(re.match(r"^---\n(.*?)\n---\n", card, re.S).group(1))
+    assert {"hftk", "ddp"} <= set(meta["tags"]) and meta["library_name"] == "transformers"
+    final_eval = [m for m in metrics(out) if "eval_loss" in m][-1]["eval_loss"]
+    for fact in ("`builtin:gpt2-tiny`", "`builtin:kjv`", "**ddp** over 2 process(es)", "optimizer steps: 30",
+                 "| learning_rate | 0.001 |", "| global_batch_size | 8 |", "| per_device_train_batch_size | 4 |",
+                 f"| eval_loss | {final_eval:.6g} |", "first 200 rows", "- hftk 0.1.0"):
+        assert fact in card, fact
+    record = json.loads(repo_files(hub, REPO)[RUN_FILE])
+    assert record["metrics"]["eval_loss"] == final_eval and record["world_size"] == 2
+
+
+def test_hftk_push_after_the_fact(pushed):
+    out, _, hub, cli = pushed
+    assert cli.returncode == 0, cli.output[-4000:]
+    files = repo_files(hub, AFTER_THE_FACT)
+    local = folder_files(out / "checkpoint-15", MODEL_PATTERNS)
+    assert set(files) == {".gitattributes", CARD_FILE, RUN_FILE, *local}  # no optimizer / RNG / trainer state
+    assert files["model.safetensors"] == (out / "checkpoint-15" / "model.safetensors").read_bytes()
+    assert "optimizer steps: 15" in files[CARD_FILE].decode()
+    assert hub.state.repos[AFTER_THE_FACT].private
+
+
+def test_token_is_used_but_never_written_or_logged(pushed):
+    out, result, hub, cli = pushed
+    writes = [r for r in hub.state.requests if r["kind"] in ("create", "preupload", "lfs-batch", "commit")]
+    assert writes and all(r["headers"].get("authorization") == f"Bearer {TOKEN}" for r in writes)
+    assert TOKEN not in result.output and TOKEN not in cli.output
+    leaked = [p for p in out.rglob("*") if p.is_file() and TOKEN.encode() in p.read_bytes()]
+    assert not leaked, leaked
+    for repo_id in (REPO, AFTER_THE_FACT):
+        assert not [p for p, data in repo_files(hub, repo_id).items() if TOKEN.encode() in data]
+
+
+@pytest.mark.parametrize("offline, token, problem", [
+    (True, TOKEN, "HF_HUB_OFFLINE is set"),
+    (False, None, "no Hugging Face token is configured"),
+], ids=["offline", "no_token"])
+def test_push_without_a_way_to_upload_is_refused_before_training(tmp_path, monkeypatch, offline, token, problem):
+    import huggingface_hub.constants
+
+    from hftk.config import load_config
+    from hftk.errors import HftkError
+    from hftk.validate import check_config
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-saved-login"))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    if token:
+        monkeypatch.setenv("HF_TOKEN", token)
+    cfg = load_config([*TINY_ARGS, "--output_dir", str(tmp_path / "out"), "--push_to_hub", "--hub_model_id", "me/x"])
+    with pytest.raises(HftkError) as error:
+        check_config(cfg)
+    assert error.value.field == "training.push_to_hub" and problem in error.value.problem
+    assert token is None or token not in str(error.value)

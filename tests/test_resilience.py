@@ -1,0 +1,255 @@
+"""Never lose a run: SIGKILL with elastic restart, SIGTERM preemption, a kill mid-save, NaN policy.
+
+Every fault is compared with one uninterrupted 2-rank DDP run (``tests/faults.py``): after
+recovery the final weights must equal it within 1e-6 and the losses after the resume point
+must be the same, which needs model, optimizer, scheduler, every rank's RNG and the data
+position (epoch and batch: 30 steps cross two epoch boundaries) all restored exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import sys
+import subprocess
+
+import pytest
+import torch
+
+from hftk.checkpoint import COMPLETE_MARKER, STAGING_DIR, is_complete, list_checkpoints
+from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED
+from tests.faults import RUN_ARGS, STEPS, reference_run, start, wait_for_step, worker_pid
+from tests.helpers import ROOT, TINY_ARGS, free_port, load_weights, losses, max_weight_diff
+
+pytestmark = pytest.mark.slow
+WORKERS = ROOT / "tests" / "workers"
+TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return reference_run(tmp_path_factory.getbasetemp())[0]
+
+
+def steps_of(checkpoints) -> list[int]:
+    return [int(c.name.split("-")[1]) for c in checkpoints]
+
+
+# ------------------------------------------------------------------ SIGKILL + elastic restart
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """Rank 1 SIGKILLed at a random step; torchrun --max-restarts 2 brings the group back."""
+    out = tmp_path_factory.mktemp("sigkill") / "run"
+    kill_at = random.randint(7, 23)
+    run = start(2, [*RUN_ARGS, "--save_total_limit", "3"], out, max_restarts=2)
+    seen = wait_for_step(run, kill_at, timeout=300)
+    os.kill(worker_pid(run, rank=1), signal.SIGKILL)
+    return out, run.finish(timeout=500), seen
+
+
+def test_sigkill_of_a_rank_restarts_and_resumes_from_newest_checkpoint(killed):
+    out, result, seen = killed
+    assert result.returncode == 0, result.output[-6000:]
+    resumed = re.findall(r"hftk: resuming from (\S+) \(elastic restart 1\)", result.stderr)
+    assert resumed, f"no elastic resume after a kill near step {seen}:\n{result.output[-4000:]}"
+    step = int(resumed[0].rsplit("-", 1)[1])
+    assert 5 <= step <= seen + 1 and step % 5 == 0, (step, seen)
+
+
+def test_restarted_run_ends_with_the_uninterrupted_weights(killed, reference):
+    out, _, seen = killed
+    diff = max_weight_diff(load_weights(reference / "final"), load_weights(out / "final"))
+    assert diff <= TOLERANCE, f"killed near step {seen}: max weight difference {diff}"
+
+
+def test_rotation_keeps_the_newest_complete_checkpoints(killed):
+    out, _, _ = killed
+    assert steps_of(list_checkpoints(out)) == [20, 25, 30]  # save_total_limit 3
+    assert not (out / STAGING_DIR).exists()  # nothing half-written left behind
+
+
+# ------------------------------------------------------------------ SIGTERM preemption
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """SIGTERM to rank 1 only (no regular saves); then a plain resume from `latest`."""
+    out = tmp_path_factory.mktemp("sigterm") / "run"
+    args = [*RUN_ARGS, "--save_steps", "1000"]
+    at = random.randint(6, 22)
+    run = start(2, args, out)
+    seen = wait_for_step(run, at, timeout=300)
+    os.kill(worker_pid(run, rank=1), signal.SIGTERM)
+    stopped = run.finish(timeout=300)
+    emergency = list_checkpoints(out)
+    resumed = start(2, [*args, "--resume_from_checkpoint", "latest"], out).finish(timeout=300)
+    return out, stopped, emergency, resumed, seen
+
+
+def test_sigterm_saves_an_emergency_checkpoint_on_every_rank_and_exits_75(preempted):
+    out, stopped, emergency, _, seen = preempted
+    assert stopped.returncode != 0
+    # torchrun reports the first rank to exit with its own code (then it stops the others)
+    assert re.search(rf"exitcode\s*:\s*{EXIT_PREEMPTED}\b", stopped.stderr), stopped.stderr[-4000:]
+    assert len(emergency) == 1 and is_complete(emergency[0])
+    step = steps_of(emergency)[0]
+    assert seen <= step <= seen + 3, (seen, step)
+    # rank 0 got no signal: it learnt of it through the per-step all-reduce, saved its part and stopped
+    assert f"hftk: stopped at step {step}: preempted (a signal on another rank)" in stopped.stderr
+    assert (emergency[0] / "rng_state_0.pth").exists() and (emergency[0] / "rng_state_1.pth").exists()
+
+
+def test_resume_from_the_emergency_checkpoint_reproduces_the_losses(preempted, reference):
+    out, _, emergency, resumed, _ = preempted
+    assert resumed.returncode == 0, resumed.output[-6000:]
+    step = steps_of(emergency)[0]
+    ref, got = losses(reference), losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        assert got[s] == pytest.approx(ref[s], abs=TOLERANCE), (s, step)
+    assert max_weight_diff(load_weights(reference / "final"), load_weights(out / "final")) <= TOLERANCE
+
+
+# ------------------------------------------------------------------ kill during a checkpoint write
+
+
+@pytest.fixture(scope="module")
+def torn(tmp_path_factory):
+    """Rank 0 dies while writing checkpoint-10 (torn optimizer.pt); one restart allowed."""
+    out = tmp_path_factory.mktemp("torn") / "run"
+    run = start(2, RUN_ARGS, out, max_restarts=1, script=WORKERS / "die_in_save.py", env={"HFTK_DIE_AT_STEP": "10"})
+    return out, run.finish(timeout=500)
+
+
+def test_kill_during_a_save_resumes_from_the_previous_checkpoint(torn, reference):
+    out, result = torn
+    assert result.returncode == 0, result.output[-6000:]
+    assert re.search(rf"hftk: discarded incomplete save \S+/{STAGING_DIR}/checkpoint-10\b", result.stderr)
+    assert re.search(r"hftk: resuming from \S+/checkpoint-5 \(elastic restart 1\)", result.stderr), result.stderr[-4000:]
+    assert max_weight_diff(load_weights(reference / "final"), load_weights(out / "final")) <= TOLERANCE
+
+
+def test_the_previous_checkpoint_was_left_intact(torn, reference):
+    out, _ = torn
+    assert is_complete(out / "checkpoint-5")
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
+        assert (out / "checkpoint-5" / name).read_bytes() == (reference / "checkpoint-5" / name).read_bytes(), name
+    assert steps_of(list_checkpoints(out)) == list(range(5, STEPS + 1, 5))
+
+
+def test_a_checkpoint_without_its_marker_is_never_picked(tmp_path, reference):
+    import shutil
+
+    from hftk.checkpoint import resolve_resume
+
+    for step in (5, 10):
+        shutil.copytree(reference / f"checkpoint-{step}", tmp_path / f"checkpoint-{step}")
+    (tmp_path / "checkpoint-10" / COMPLETE_MARKER).unlink()
+    assert resolve_resume(tmp_path, "latest") == str(tmp_path / "checkpoint-5")
+    (tmp_path / "checkpoint-5" / "optimizer.pt").write_bytes(b"truncated")  # size no longer matches the marker
+    assert resolve_resume(tmp_path, "latest") is None
+
+
+# ------------------------------------------------------------------ NaN / Inf policy
+
+
+@pytest.fixture(scope="module")
+def nan_runs(tmp_path_factory):
+    """One process, NaN loss at step 3: policy skip (saving every step) and policy stop, run side by side."""
+    root = tmp_path_factory.mktemp("nan")
+    common = [*TINY_ARGS, "--max_steps", "6", "--save_strategy", "steps", "--save_total_limit", "0"]
+    env = {**os.environ, "HFTK_NAN_AT_STEP": "3", "PYTHONUNBUFFERED": "1"}
+    cmds = {
+        "skip": [*common, "--save_steps", "1", "--nan_policy", "skip", "--output_dir", str(root / "skip")],
+        "stop": [*common, "--save_steps", "100", "--nan_policy", "stop", "--output_dir", str(root / "stop")],
+    }
+    procs = {k: subprocess.Popen([sys.executable, str(WORKERS / "nan_loss.py"), *a], cwd=ROOT, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+             for k, a in cmds.items()}
+    results = {}
+    for name, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        results[name] = (proc.returncode, err)
+    return root, results
+
+
+def _optimizer_state(checkpoint):
+    return torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]
+
+
+def test_nan_policy_skip_drops_exactly_that_update(nan_runs):
+    root, results = nan_runs
+    rc, err = results["skip"]
+    assert rc == 0, err[-4000:]
+    run = root / "skip"
+    before, during, after = (load_weights(run / f"checkpoint-{s}") for s in (2, 3, 4))
+    assert max_weight_diff(before, during) == 0.0  # the NaN step changed no weight...
+    state2, state3 = _optimizer_state(run / "checkpoint-2"), _optimizer_state(run / "checkpoint-3")
+    for key in state2:  # ...and no optimizer moment
+        for name, value in state2[key].items():
+            assert torch.equal(value, state3[key][name]), (key, name)
+    assert max_weight_diff(during, after) > 0 and all(torch.isfinite(t).all() for t in after.values())
+    assert "non-finite gradient" in err
+
+
+def test_nan_policy_stop_saves_the_last_finite_state_and_exits_65(nan_runs):
+    root, results = nan_runs
+    rc, err = results["stop"]
+    assert rc == EXIT_NONFINITE, err[-4000:]
+    assert "hftk: stopped at step 3: a NaN/Inf loss" in err
+    assert steps_of(list_checkpoints(root / "stop")) == [3]
+    saved = load_weights(root / "stop" / "checkpoint-3")
+    assert max_weight_diff(saved, load_weights(root / "skip" / "checkpoint-2")) == 0.0
+    assert not (root / "stop" / "final").exists()
+
+
+# ------------------------------------------------------------------ restarts torch cannot carry out
+
+
+LAUNCHES = {  # name -> (torchrun options, TORCH_DISABLE_SHARE_RDZV_TCP_STORE, refused)
+    "static": (["--max-restarts=1", "--master_addr=127.0.0.1"], "0", True),  # torchrun's default rendezvous
+    "c10d_shared_store": (["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"], "0", True),
+    "c10d_fresh_store": (["--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"], "1", False),
+}
+
+
+@pytest.fixture(scope="module")
+def elastic_envs(tmp_path_factory):
+    """What real torchrun launches tell their workers (three launches side by side)."""
+    root = tmp_path_factory.mktemp("elastic_env")
+    procs = {}
+    for name, (options, disable_share, _) in LAUNCHES.items():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               *options, str(WORKERS / "elastic_env.py"), str(root / f"{name}.json")]
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": disable_share}
+        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, start_new_session=True)
+    for name, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        assert proc.returncode == 0, out[-3000:]
+    return {name: json.loads((root / f"{name}.json").read_text()) for name in LAUNCHES}
+
+
+@pytest.mark.parametrize("name", LAUNCHES)
+def test_restarts_torch_cannot_carry_out_are_refused_before_training(elastic_envs, name):
+    from hftk.errors import HftkError
+    from hftk.resilience import check_restartable
+
+    if LAUNCHES[name][2]:
+        with pytest.raises(HftkError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+            check_restartable(elastic_envs[name])
+    else:
+        check_restartable(elastic_envs[name])
