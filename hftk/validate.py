@@ -84,7 +84,7 @@ def _check_parallel_degrees(cfg: RunConfig) -> None:
                             "split long sequences with strategy sp (DeepSpeed Ulysses, runs on CPU), or set cp_size 1.")
         raise HftkError("strategy.cp_size", "context parallel (torch ring attention) is not supported by hftk yet.",
                         "split long sequences with strategy sp (DeepSpeed Ulysses), or set cp_size 1.")
-    for name, owner in (("tp_size", "tp"), ("dp_replicate_size", "tp"), ("sp_size", "sp")):
+    for name, owner in (("tp_size", "tp"), ("dp_replicate_size", "tp"), ("sp_size", "sp"), ("pp_size", "pipeline")):
         if getattr(s, name) != 1 and s.strategy != owner:
             raise HftkError(f"strategy.{name}", f"is {getattr(s, name)} but strategy {s.strategy} does not use it.",
                             f"pass --strategy {owner}, or leave {name} at 1.")

@@ -226,6 +226,7 @@ def _resume_folder(tmp: Path) -> Path:
 ERRORS = [
     # (id, world size, args, field named)
     ("one_stage", 2, ["--pp_size", "1"], "strategy.pp_size"),
+    ("pp_size_without_pipeline", 2, ["--strategy", "ddp"], "strategy.pp_size"),
     ("world_not_multiple", 3, [], "strategy.pp_size"),
     ("microbatches_not_dividing", 2, ["--pp_microbatches", "3"], "strategy.pp_microbatches"),
     ("1f1b_too_few_microbatches", 2, ["--pp_microbatches", "1"], "strategy.pp_microbatches"),
@@ -242,7 +243,6 @@ ERRORS = [
     ("with_zero3", 2, ["--deepspeed", "{tmp}/ds.json"], "training.deepspeed"),
     ("with_fsdp", 2, ["--fsdp", "full_shard"], "training.fsdp"),
     ("with_compression", 2, ["--grad_compression", "fp16"], "strategy.grad_compression"),
-    ("with_lora", 2, ["--lora_r", "8"], "model.lora_r"),
     ("resume_other_layout", 4, ["--output_dir", "{resume}", "--resume_from_checkpoint", "latest"],
      "training.resume_from_checkpoint"),
 ]
