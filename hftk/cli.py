@@ -15,6 +15,24 @@ def _train(rest: list[str]) -> int:
     return main(rest)
 
 
+def _configs(rest: list[str]) -> int:
+    from hftk.launch import configs_command
+
+    return configs_command(rest)
+
+
+def _plan(rest: list[str]) -> int:
+    from hftk.plan import plan_command
+
+    return plan_command(rest)
+
+
+def _push(rest: list[str]) -> int:
+    from hftk.hub import push_command
+
+    return push_command(rest)
+
+
 def _export(rest: list[str]) -> int:
     from hftk.export import main
 
@@ -27,16 +45,12 @@ def _bench(rest: list[str]) -> int:
     return bench_command(rest)
 
 
-def _push(rest: list[str]) -> int:
-    from hftk.hub import push_command
-
-    return push_command(rest)
-
-
 # name -> (help, handler taking the remaining argv). Each handler parses its own options.
 COMMANDS = {
     "train": ("Fine-tune in this process, or under a launcher (same options as scripts/finetune.py).", _train),
     "push": ("Push a final folder or a checkpoint to the Hub with a generated model card.", _push),
+    "configs": ("Write the accelerate launch configs and DeepSpeed JSON of every strategy.", _configs),
+    "plan": ("Per-rank memory of every strategy for a model (config only, no weights); the pick for auto.", _plan),
     "export": ("Turn any strategy's checkpoint into a standard HF folder (safetensors, config, tokenizer).", _export),
     "bench": ("Measure scaling, memory, communication, pipeline, batch size and overhead; one report folder.", _bench),
 }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from hftk import strategies, validate
+from hftk import launch, plan, strategies, validate
 from hftk.config import load_config
 from hftk.data import check_raw, load_raw
 from hftk.errors import HftkError
@@ -21,10 +21,13 @@ EXIT_USAGE = 2
 def prepare(argv: list[str] | None = None) -> PreparedRun:
     """Parse, validate and read what validation needs: config, model config, raw data."""
     cfg = load_config(argv)
+    launch.adopt_launcher_strategy(cfg)  # accelerate_configs/<strategy>.yaml says it through the environment
     validate.check_config(cfg)
     world_size = validate.launch_world_size()
     model_config = load_model_config(cfg.model)
     validate.check_model(cfg, model_config)
+    if cfg.strategy.strategy == "auto":
+        cfg.strategy.strategy = plan.resolve_auto(cfg, model_config, world_size)
     strategies.get(cfg.strategy.strategy).validate(cfg, world_size)
     raw = load_raw(cfg.data)
     data_format = check_raw(cfg.data, raw)

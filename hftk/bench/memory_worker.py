@@ -1,0 +1,126 @@
+"""Per-rank worker of ``hftk bench memory`` and of the plan-accuracy test: a short run of one
+strategy through hftk's own engine, measuring what each rank holds.
+
+Run under a launcher with the usual finetune options plus ``--memory_out FILE``::
+
+    torchrun --nproc_per_node 2 -m hftk.bench.memory_worker --strategy zero3 --max_steps 2 ... \\
+        --memory_out zero3.json
+
+Two measurements per rank:
+
+- model state (:func:`hftk.memory.model_state_bytes`) counted inside the second optimizer step,
+  after each call of the innermost torch optimizer's ``step`` (a post-hook), keeping the largest:
+  the one moment every strategy holds the gradients being applied and the optimizer state
+  together. Counting later, at the Trainer's ``on_optimizer_step``, would miss DeepSpeed's
+  gradients: its engine frees them inside its own step;
+- peak memory of the training phase: reset at train begin (VmHWM after ``clear_refs`` on CPU,
+  the allocator's peak on GPU), with the lifetime peak before the reset (imports + loading).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from hftk.memory import model_state_bytes
+from hftk.telemetry import peak_memory_bytes, reset_peak_memory
+
+
+# The first step creates the optimizer state lazily (DeepSpeed one parameter group after another);
+# from the second on, every step holds the same.
+COUNTED_STEP = 2
+
+
+def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's and DeepSpeed's wrappers (each keeps it as ``.optimizer``)."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class MemoryProbe(TrainerCallback):
+    """Counts model state during the second optimizer step; tracks the training-phase peak."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.device = trainer.args.device
+        self.counts: dict[str, int] = {}
+        self.lifetime_peak = 0
+        self.peak = 0
+        self._hook: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.lifetime_peak = peak_memory_bytes(self.device)
+        reset_peak_memory(self.device)
+        self._hook = innermost_optimizer(self.trainer.optimizer).register_step_post_hook(self._count)
+
+    def _count(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.trainer.state.global_step != COUNTED_STEP - 1:
+            return
+        counts = model_state_bytes(self.trainer.model, self.trainer.optimizer)
+        if counts["total"] > self.counts.get("total", -1):
+            self.counts = counts
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == COUNTED_STEP - 1 and self._hook is not None:  # later steps hold the same
+            self._hook.remove()
+            self._hook = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Read before the logging step: hftk's RankMonitor starts a new peak window at every log.
+        self.peak = max(self.peak, peak_memory_bytes(self.device))
+
+    def result(self) -> dict[str, int]:
+        return {**self.counts, "peak": max(self.peak, peak_memory_bytes(self.device)),
+                "lifetime_peak": self.lifetime_peak}
+
+
+def gather(record: dict[str, int]) -> list[dict[str, int]]:
+    """Every rank's record, on every rank."""
+    if not dist.is_initialized():
+        return [record]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, record)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hftk.engine.trainer import build_trainer
+    from hftk.errors import HftkError
+    from hftk.run import prepare
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if "--memory_out" not in argv or argv.index("--memory_out") + 1 >= len(argv):
+            raise HftkError("--memory_out", "is required.", "pass --memory_out FILE.json.")
+        i = argv.index("--memory_out")
+        out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
+        prepared = prepare(argv)
+        if prepared.cfg.training.get("max_steps", -1) < COUNTED_STEP:
+            raise HftkError("training.max_steps", f"the probe counts optimizer step {COUNTED_STEP} (the first creates "
+                            "the optimizer state).", f"pass --max_steps {COUNTED_STEP} or more.")
+        trainer, _, _ = build_trainer(prepared)
+    except HftkError as exc:
+        print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
+        return 2
+    probe = MemoryProbe(trainer)
+    trainer.add_callback(probe)
+    trainer.train()
+    ranks = gather(probe.result())
+    if trainer.args.process_index == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"strategy": prepared.cfg.strategy.strategy, "world_size": len(ranks),
+                                   "device": "gpu" if trainer.args.device.type == "cuda" else "cpu",
+                                   "ranks": ranks}, indent=1))
+    trainer.accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,416 @@
+"""Per-rank memory of every strategy, from the model's config alone, and the pick for ``auto``.
+
+The model is built on the meta device (shapes, no storage, no weight download), so a plan for
+a 70B Hub model costs a config download. Each strategy's bytes follow what it really keeps on
+one rank (mixed-precision training shown for DeepSpeed as DeepSpeed does it):
+
+=============  ===========  ===========  ==========================================================
+strategy       parameters   gradients    optimizer state (AdamW: two states per trainable weight)
+=============  ===========  ===========  ==========================================================
+ddp            w P          w T          2 w T
+zero1          d P          d T          (4 + 8) T / N   (DeepSpeed's fp32 master partition + states)
+zero2          d P          d T / N      (4 + 8) T / N
+fsdp           w P / N      w T / N      2 w T / N
+zero3          d P / N      g T / N      (4 + 8) T / N   (+ whole copies of "persistent" small params)
+zero3_offload  as zero3, in host memory; only the working set stays on the device
+=============  ===========  ===========  ==========================================================
+
+P parameters, T trainable (LoRA: the adapters), N ranks, w bytes of the loaded dtype, d the
+dtype DeepSpeed trains in (2 under bf16/fp16, else w), g DeepSpeed's gradient-accumulation dtype.
+On top come a transient term (DDP's gradient buckets, FSDP's gathered blocks, DeepSpeed's
+buckets and optimizer-step copies), activations (Korthikanti et al. 2022, per layer
+``b s h (34 + 5 a s / h)`` bytes at 16 bit, plus fp32 logits), and the runtime's own footprint
+(torch, CUDA context or the CPU process, process group). ``auto`` takes the least sharding that
+fits the per-rank budget with :data:`HEADROOM` to spare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from hftk.errors import HftkError
+from hftk.strategies.deepspeed import MAX_LIVE_PARAMETERS, SUB_GROUP_SIZE
+
+# Least sharding first: ``auto`` takes the first that fits.
+PLAN_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload")
+HEADROOM = 0.2  # auto keeps this fraction of the budget free for what an estimate misses
+GIB = 1024**3
+MIB = 1024**2
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Measured per-rank footprint before any model exists: torch + transformers (+ deepspeed) and the
+# process group on CPU (RSS); the CUDA context and allocator on a GPU.
+RUNTIME_BYTES = {"cpu": 500 * MIB, "gpu": 600 * MIB}
+DEEPSPEED_RUNTIME_BYTES = {"cpu": 50 * MIB, "gpu": 0}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs from a model, read from its meta-device instance."""
+
+    params: int  # distinct parameters (tied weights once)
+    trainable: int
+    trainable_tensors: int
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    largest_block: int  # parameters of the biggest decoder block: FSDP's / ZeRO-3's gather unit
+    outside_blocks: int  # embeddings, final norm, LM head: FSDP's root unit
+    persistent: int  # parameters ZeRO-3 keeps whole on every rank (numel <= 10 h)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    world_size: int
+    device_memory_bytes: int
+    seq_len: int = 128
+    micro_batch: int = 8
+    dtype: str = "float32"  # the dtype the weights are loaded in
+    mixed_precision: str = "no"  # "bf16" / "fp16" (training.bf16 / training.fp16)
+    gradient_checkpointing: bool = False
+    device: str = "gpu"  # "cpu": host memory is the device (offload moves nothing off it)
+
+
+@dataclass
+class StrategyPlan:
+    """Per-rank bytes of one strategy."""
+
+    strategy: str
+    params: int
+    grads: int
+    optimizer: int
+    transient: int
+    activations: int
+    runtime: int
+    offloaded: int  # model state held in host memory instead of the device
+    fits: bool = False
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def device_total(self) -> int:
+        """Predicted peak on one device (on CPU: the process's peak RSS)."""
+        return self.model_state - self.offloaded + self.transient + self.activations + self.runtime
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "model_state": self.model_state, "device_total": self.device_total}
+
+
+# ---- the model's shape, without weights ----
+
+def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | None = None) -> ModelShape:
+    """Count parameters of the model built on the meta device (LoRA adapters added the same way)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hftk.layout import decoder_block_class
+
+    # torch's meta device, not accelerate's init_empty_weights: under the latter transformers 5 leaves
+    # tied embeddings untied, and GPT-2's LM head would count twice.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    hidden = _config_int(model_config, "hidden_size", "n_embd")
+    block_class = decoder_block_class(model)
+    if lora_r:  # the adapters the run would add (hftk.lora: same targets), so T counts only them
+        from peft import get_peft_model
+
+        from hftk.config import ModelConfig
+        from hftk.lora import lora_config
+
+        lora = ModelConfig(lora_r=lora_r, lora_target_modules=lora_target_modules)
+        model = get_peft_model(model, lora_config(lora, model_config.model_type))
+    params = list(model.parameters())
+    blocks = [m for m in model.modules() if isinstance(m, block_class)]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    return ModelShape(
+        params=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in params if p.requires_grad),
+        trainable_tensors=sum(1 for p in params if p.requires_grad),
+        hidden=hidden,
+        layers=len(blocks),
+        heads=_config_int(model_config, "num_attention_heads", "n_head"),
+        vocab=_config_int(model_config, "vocab_size"),
+        largest_block=max(sum(p.numel() for p in b.parameters()) for b in blocks),
+        outside_blocks=sum(p.numel() for p in params if id(p) not in in_blocks),
+        persistent=sum(p.numel() for p in params if p.numel() <= 10 * hidden),
+    )
+
+
+def _config_int(config: Any, *names: str) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise HftkError("model.model_name_or_path", f"its config has none of {', '.join(names)}.",
+                    "plan a decoder-only causal LM (GPT-2, GPT-NeoX, Llama, Mistral, Qwen2, ...).")
+
+
+# ---- bytes per strategy ----
+
+def activation_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
+    """One micro-batch's saved activations plus the fp32 logits and their gradient."""
+    b, s, h = inputs.micro_batch, inputs.seq_len, shape.hidden
+    scale = 1.0 if inputs.mixed_precision != "no" or inputs.dtype != "float32" else 2.0  # formula is for 16 bit
+    per_layer = b * s * h * (34 + 5 * shape.heads * s / h) * scale
+    kept = (per_layer + b * s * h * 4 * (shape.layers - 1)) if inputs.gradient_checkpointing else per_layer * shape.layers
+    logits = 3 * b * s * shape.vocab * 4  # logits, their fp32 upcast in the loss, and the gradient
+    return int(kept + logits)
+
+
+def estimate(strategy: str, shape: ModelShape, inputs: PlanInputs) -> StrategyPlan:
+    """Per-rank bytes of ``strategy`` (one of :data:`PLAN_STRATEGIES`) at its optimizer step.
+
+    ``params`` / ``grads`` / ``optimizer`` are what a rank holds while its optimizer steps (what
+    :mod:`hftk.bench.memory_worker` counts); ``transient`` is what it holds on top at its worst
+    moment (buckets, gathered blocks, DeepSpeed's gradients before they become fp32 partitions).
+    """
+    n, p, t = inputs.world_size, shape.params, shape.trainable
+    w = DTYPE_BYTES[inputs.dtype]
+    half = inputs.mixed_precision != "no"
+    activations = activation_bytes(shape, inputs)
+    runtime = RUNTIME_BYTES[inputs.device]
+    counters = 4 * shape.trainable_tensors  # torch AdamW's per-parameter step counters
+    if strategy == "ddp":
+        bucket = t * w  # the reducer's buckets hold a second copy of every gradient
+        return StrategyPlan(strategy, p * w, t * w, 2 * t * w + counters, bucket, activations, runtime, 0)
+    if strategy == "fsdp":
+        # sharded parameters stay in the loaded dtype (MixedPrecisionPolicy casts only gathered copies)
+        gathered = (2 if half else w) * 2 * shape.largest_block  # the block in use + the prefetched one
+        transient = gathered + w * shape.largest_block + w * shape.outside_blocks  # its unsharded grads, the root
+        return StrategyPlan(strategy, w * _ceil(p, n), w * _ceil(t, n), 2 * w * _ceil(t, n) + counters, transient,
+                            activations, runtime, 0)
+    # DeepSpeed: the model in d bytes (it casts to bf16/fp16); the optimizer steps fp32 partitions
+    # (a master copy, except fp32 ZeRO-3 whose partition is the master); its gradient is an fp32
+    # copy of the partition (ZeRO-3: of one sub-group of it at a time).
+    d = 2 if half else w
+    part = _ceil(t, n)
+    bucket = shape.hidden**2 * d  # reduce_bucket_size: h^2 elements
+    runtime += DEEPSPEED_RUNTIME_BYTES[inputs.device]
+    if strategy in ("zero1", "zero2"):
+        held_in_backward = d * t if strategy == "zero1" else d * part + bucket  # before the step flattens them
+        return StrategyPlan(strategy, d * p, 4 * part, 12 * part, held_in_backward, activations, runtime, 0)
+    offload = strategy == "zero3_offload"
+    step_grad = 4 * (part if offload else min(part, SUB_GROUP_SIZE))
+    master = 4 * part if (offload or d != 4) else 0
+    gathered = d * int(0.9 * shape.hidden**2) + d * min(MAX_LIVE_PARAMETERS, shape.largest_block)  # prefetch + live
+    params, grads, optimizer = d * _ceil(p, n), d * part + bucket + step_grad, master + 8 * part
+    offloaded = params + step_grad + optimizer if offload and inputs.device == "gpu" else 0
+    return StrategyPlan(strategy, params, grads, optimizer, gathered + d * shape.persistent, activations, runtime,
+                        offloaded)
+
+
+def _ceil(count: int, ranks: int) -> int:
+    return -(-count // ranks)
+
+
+def plan(shape: ModelShape, inputs: PlanInputs, strategies: tuple[str, ...] = PLAN_STRATEGIES) -> list[StrategyPlan]:
+    """Every strategy's plan, ``fits`` set against the budget with headroom."""
+    budget = inputs.device_memory_bytes * (1 - HEADROOM)
+    plans = [estimate(s, shape, inputs) for s in strategies]
+    for p in plans:
+        p.fits = p.device_total <= budget
+    return plans
+
+
+def pick(plans: list[StrategyPlan]) -> StrategyPlan | None:
+    """The least sharding that fits (plans are ordered least sharding first)."""
+    return next((p for p in plans if p.fits), None)
+
+
+# ---- inside a run: --strategy auto ----
+
+def device_memory_bytes(cfg: Any) -> tuple[int, str]:
+    """The per-rank budget: the option, else the GPU's memory, else RAM / processes on this node."""
+    if cfg.strategy.device_memory_gb is not None:
+        return int(cfg.strategy.device_memory_gb * GIB), "strategy.device_memory_gb"
+    import torch
+
+    if torch.cuda.is_available() and not cfg.training.get("use_cpu"):
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.cuda.get_device_properties(local_rank).total_memory, "the GPU's memory"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local, f"RAM / {local} process(es)"
+
+
+def inputs_from_config(cfg: Any, world_size: int, budget: int) -> PlanInputs:
+    import torch
+
+    t = cfg.training
+    on_gpu = torch.cuda.is_available() and not t.get("use_cpu")
+    return PlanInputs(
+        world_size=world_size, device_memory_bytes=budget, seq_len=cfg.data.block_size,
+        micro_batch=t.get("per_device_train_batch_size", 8), dtype=cfg.model.model_dtype,
+        mixed_precision="bf16" if t.get("bf16") else "fp16" if t.get("fp16") else "no",
+        gradient_checkpointing=bool(t.get("gradient_checkpointing")), device="gpu" if on_gpu else "cpu",
+    )
+
+
+def runnable(cfg: Any, world_size: int) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The plan's strategies this config can run at this world size, and why the others cannot."""
+    from hftk import strategies
+
+    ok, why = [], {}
+    for name in PLAN_STRATEGIES:
+        trial = copy.deepcopy(cfg)
+        trial.strategy.strategy = name
+        try:
+            strategies.get(name).validate(trial, world_size)
+        except HftkError as exc:
+            why[name] = exc.one_line()
+            continue
+        ok.append(name)
+    return tuple(ok), why
+
+
+def resolve_auto(cfg: Any, model_config: Any, world_size: int) -> str:
+    """Replace ``auto`` by the least sharding that fits; print the choice on rank 0."""
+    budget, source = device_memory_bytes(cfg)
+    inputs = inputs_from_config(cfg, world_size, budget)
+    candidates, why_not = runnable(cfg, world_size)
+    shape = model_shape(model_config, cfg.model.lora_r, cfg.model.lora_target_modules)
+    plans = plan(shape, inputs, candidates)
+    chosen = pick(plans)
+    if chosen is None:
+        smallest = min(plans, key=lambda p: p.device_total, default=None)
+        need = f"; the smallest, {smallest.strategy}, needs {_gib(smallest.device_total)}" if smallest else ""
+        raise HftkError("strategy.strategy", f"auto: no strategy fits {_gib(budget)} per rank ({source}) with "
+                        f"{HEADROOM:.0%} headroom at world size {world_size}{need}.",
+                        "launch more ranks, enable --gradient_checkpointing, lower --per_device_train_batch_size "
+                        "or --block_size, train LoRA (--lora_r 8), or raise --device_memory_gb.")
+    if int(os.environ.get("RANK", "0")) == 0:
+        others = ", ".join(f"{p.strategy} {_gib(p.device_total)}" for p in plans)
+        skipped = f"; not runnable: {', '.join(why_not)}" if why_not else ""
+        print(f"hftk: strategy auto -> {chosen.strategy} (budget {_gib(budget)} per rank from {source}, "
+              f"{HEADROOM:.0%} headroom; predicted peaks: {others}{skipped})", flush=True)
+    return chosen.strategy
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _size(n: int) -> str:
+    if n < MIB:
+        return f"{n / 1024:,.0f} KiB"
+    return f"{n / MIB:,.0f} MiB" if n < 100 * GIB else f"{n / GIB:,.0f} GiB"
+
+
+# ---- hftk plan ----
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hftk plan", exit_on_error=False,
+                                description="Per-rank memory of every strategy from the model's config alone "
+                                "(meta device: no weights are downloaded), and what --strategy auto would pick.")
+    p.add_argument("--model", help="Hub id, local folder, or builtin:NAME (required)")
+    p.add_argument("--model_revision", default="main", help="Hub revision of the model")
+    p.add_argument("--trust_remote_code", action="store_true", help="run code shipped with a Hub model's config")
+    p.add_argument("--world_size", type=_positive(int), help="ranks (processes) in the run (required)")
+    p.add_argument("--device_memory", type=_positive(float), help="memory per rank, GiB (required)")
+    p.add_argument("--seq_len", type=_positive(int), default=128, help="tokens per sequence (data.block_size)")
+    p.add_argument("--micro_batch", type=_positive(int), default=8, help="sequences per rank per step")
+    p.add_argument("--lora_r", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    p.add_argument("--lora_target_modules", default=None,
+                   help="comma-separated LoRA targets (default: the architecture's attention and MLP projections)")
+    p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32", help="dtype the weights are loaded in")
+    p.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default="no", help="training.bf16/fp16")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--tp_size", type=_positive(int), default=1, help="also show tensor parallel of this degree "
+                   "(FSDP2 over the other ranks; strategy tp)")
+    p.add_argument("--sp_size", type=_positive(int), default=1, help="also show Ulysses sequence parallel of this "
+                   "degree (strategy sp)")
+    p.add_argument("--device", choices=["gpu", "cpu"], default=None,
+                   help="what a rank's memory is (default: gpu when one is present, else cpu)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def plan_command(argv: list[str]) -> int:
+    """``hftk plan``: print the per-rank memory table and the pick."""
+    from hftk.config import ModelConfig
+    from hftk.modeling import load_model_config
+
+    parser = build_parser()
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        raise HftkError(exc.argument_name or "hftk plan", f"{exc.message}.", "see `hftk plan --help`.") from None
+    if unknown:
+        raise HftkError(unknown[0], "is not an option of hftk plan.", "see `hftk plan --help`.")
+    for name in ("model", "world_size", "device_memory"):
+        if getattr(args, name) is None:
+            raise HftkError(f"--{name}", "is required.", "e.g. hftk plan --model gpt2 --world_size 8 --device_memory 80")
+    if args.lora_r < 0:
+        raise HftkError("--lora_r", f"must be >= 0, got {args.lora_r}.", "use 0 (full fine-tuning) or e.g. 8.")
+    device = args.device or _default_device()
+    model_config = load_model_config(ModelConfig(model_name_or_path=args.model, model_revision=args.model_revision,
+                                                 trust_remote_code=args.trust_remote_code))
+    from hftk.modeling import context_length
+
+    limit = context_length(model_config)
+    if limit is not None and args.seq_len > limit:
+        raise HftkError("--seq_len", f"{args.seq_len} exceeds the model's context length {limit}.",
+                        f"use --seq_len {limit} or less.")
+    inputs = PlanInputs(world_size=args.world_size, device_memory_bytes=int(args.device_memory * GIB),
+                        seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype,
+                        mixed_precision=args.mixed_precision, gradient_checkpointing=args.gradient_checkpointing,
+                        device=device)
+    shape = model_shape(model_config, args.lora_r, args.lora_target_modules)
+    plans = plan(shape, inputs)
+    chosen = pick(plans)
+    from hftk.strategies.tensor import plan_rows
+
+    plans += plan_rows(shape, inputs, args.tp_size, args.sp_size)
+    if args.json:
+        print(json.dumps({"shape": dataclasses.asdict(shape), "inputs": dataclasses.asdict(inputs),
+                          "plans": [p.to_dict() for p in plans], "pick": chosen.strategy if chosen else None}))
+        return 0
+    print(format_table(shape, inputs, plans, chosen))
+    return 0
+
+
+def _default_device() -> str:
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def format_table(shape: ModelShape, inputs: PlanInputs, plans: list[StrategyPlan], chosen: StrategyPlan | None) -> str:
+    head = (f"{shape.params / 1e6:.1f}M parameters ({shape.trainable / 1e6:.2f}M trainable), world size "
+            f"{inputs.world_size}, {inputs.device_memory_bytes / GIB:.1f} GiB per rank ({inputs.device}), "
+            f"micro-batch {inputs.micro_batch} x {inputs.seq_len} tokens, {inputs.dtype}"
+            f"{'' if inputs.mixed_precision == 'no' else ' + ' + inputs.mixed_precision}")
+    cols = ["strategy", "params", "grads", "optimizer", "model state", "offloaded", "transient", "activations",
+            "runtime", "peak", "fits"]
+    rows = [[p.strategy, *(_size(v) for v in (p.params, p.grads, p.optimizer, p.model_state, p.offloaded,
+                                              p.transient, p.activations, p.runtime, p.device_total)),
+             "yes" if p.fits else "no"] for p in plans]
+    widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]
+    lines = [head, "", "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    budget = inputs.device_memory_bytes * (1 - HEADROOM)
+    lines.append("")
+    lines.append(f"pick: {chosen.strategy}" if chosen else
+                 f"pick: none fits {budget / GIB:.2f} GiB ({HEADROOM:.0%} headroom kept)")
+    return "\n".join(lines)
+

@@ -1,0 +1,19 @@
+"""Started by a launcher: all-reduce one tensor over the real process group and report what
+this rank saw (world size, sum, the strategy hftk reads from the launch config) as one JSON line."""
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from hftk.launch import launcher_strategy
+
+backend = "nccl" if torch.cuda.is_available() else "gloo"
+dist.init_process_group(backend)
+one = torch.ones(1)
+dist.all_reduce(one)
+found = launcher_strategy(os.environ)
+print("PROBE " + json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": one.item(),
+                             "strategy": found[0] if found else None}), flush=True)
+dist.destroy_process_group()
