@@ -178,8 +178,9 @@ def chart(result: dict[str, Any], path: Path) -> str:
                    [100 * (r[key]["max"] - r[key]["median"]) for r in timed]]
             ax.errorbar(xs, med, yerr=err, marker=marker, capsize=3, linestyle="-" if key == "replay" else ":",
                         label=f"measured ({'replay' if key == 'replay' else 'wall clock'})")
+        ticks = sorted({r["microbatches"] for r in rows})
         ax.set_xscale("log", base=2)
-        ax.set_xticks(list(MICROBATCHES), [str(m) for m in MICROBATCHES])
+        ax.set_xticks(ticks, [str(m) for m in ticks])
         ax.set_xlabel("micro-batches M")
         ax.set_ylabel("bubble, % of step")
         ax.set_title(schedule, fontsize=9)
@@ -188,11 +189,31 @@ def chart(result: dict[str, Any], path: Path) -> str:
     return save(fig, path)
 
 
+def check_options(nproc: int = 2, microbatches: list[int] = MICROBATCHES, schedules: list[str] = SCHEDULES,
+                  virtual_stages: int = 2, n_layer: int = 8, **_: Any) -> None:
+    """Before launching (``hftk bench`` calls it first): options the worker could only fail on."""
+    from hftk.errors import HftkError
+
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown:
+        raise HftkError("--schedules", f"unknown schedule '{unknown[0]}'.", f"use some of {', '.join(SCHEDULES)}.")
+    if nproc < 2:
+        raise HftkError("--nproc", f"a pipeline needs at least 2 ranks, got {nproc}.", "set --nproc 2 or more.")
+    if not microbatches or min(microbatches) < 1:
+        raise HftkError("--microbatches", "needs positive micro-batch counts.", "write e.g. --microbatches 1,2,4,8.")
+    stages = nproc * (virtual_stages if "interleaved_1f1b" in schedules else 1)
+    if n_layer < stages:
+        raise HftkError("--n_layer", f"{stages} stages need at least {stages} decoder blocks, got {n_layer}.",
+                        f"set --n_layer {stages} or more.")
+
+
 def run_pipeline_bench(out_dir: Path, nproc: int = 2, microbatches: list[int] = MICROBATCHES,
                        schedules: list[str] = SCHEDULES, virtual_stages: int = 2, steps: int = 5, warmup: int = 2,
                        block_size: int = 128, rows_per_microbatch: int = 2, n_layer: int = 8, n_embd: int = 128,
                        timeout: float = 900) -> dict[str, Any]:
     """Measure the bubble of every schedule at every micro-batch count in one launch; table + chart."""
+    check_options(nproc=nproc, microbatches=list(microbatches), schedules=list(schedules),
+                  virtual_stages=virtual_stages, n_layer=n_layer)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = {"schedules": list(schedules), "microbatches": [int(m) for m in microbatches],
