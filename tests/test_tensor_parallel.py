@@ -231,6 +231,40 @@ def test_memory_per_rank_shrinks_with_the_mesh(llama_ref, llama_tp, tp_fsdp):
 
 
 @pytest.mark.slow
+def test_memory_plan_predicts_the_counted_model_state(llama_tp, tp_fsdp, sp_run):
+    """`hftk plan --tp_size / --sp_size` rows (from the config alone) equal what each rank counted."""
+    from hftk.builtin import builtin_model_config
+    from hftk.plan import PlanInputs, model_shape
+    from hftk.strategies import sequence, tensor
+
+    shape = model_shape(builtin_model_config("builtin:llama-tiny"))
+    for run, world, estimate in [(llama_tp, 2, lambda i: tensor.estimate_memory(shape, i, 2)),
+                                 (tp_fsdp, 4, lambda i: tensor.estimate_memory(shape, i, 2)),
+                                 (sp_run, 2, lambda i: sequence.estimate_memory(shape, i, 2))]:
+        plan = estimate(PlanInputs(world_size=world, device_memory_bytes=2**34, seq_len=64, micro_batch=4, device="cpu"))
+        for rank in next(m["memory"] for m in metrics(run) if "memory" in m):
+            assert (plan.params, plan.grads, plan.optimizer) == (rank["params"], rank["grads"], rank["optimizer"]), run
+
+
+@pytest.mark.slow
+def test_a_tp_checkpoint_resumes_on_a_3d_mesh(llama_tp, tmp_path):
+    """TP=2 checkpoint -> dp_replicate 2 x dp_shard 1 x tp 2 (HSDP x TP, 4 ranks; DCP reshards), same global batch."""
+    resumed = tmp_path / "resumed3d"
+    resumed.mkdir()
+    shutil.copytree(llama_tp / "checkpoint-3", resumed / "checkpoint-3")
+    finetune(4, [*COMMON, *LLAMA, "--strategy", "tp", "--tp_size", "2", "--dp_replicate_size", "2",
+                 "--per_device_train_batch_size", "2", "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"],
+             timeout=600)
+    q = _layout(resumed)["local_shapes"]["model.layers.0.self_attn.q_proj.weight"]
+    assert len(q["placements"]) == 3 and q["local"] == [32, 64]  # replicated x (1-way) sharded x TP
+    full, after = losses(llama_tp), losses(resumed)
+    assert sorted(after) == [4, 5]
+    for step in after:
+        assert after[step] == pytest.approx(full[step], abs=TOL), step
+    assert max_weight_diff(load_weights(llama_tp / "final"), load_weights(resumed / "final")) < TOL
+
+
+@pytest.mark.slow
 def test_export_of_a_tp_checkpoint_equals_the_reference(llama_ref, llama_tp, tmp_path):
     from hftk.export import main as export_main
 
@@ -385,3 +419,15 @@ def test_a_nonfinite_gradient_drops_the_update_and_a_signal_is_agreed(one_rank_g
     assert out["skipped"] and out["preempted"] and not math.isfinite(out["loss"])
     assert all(torch.allclose(before[n], p, equal_nan=True) for n, p in model.named_parameters())
     assert not optimizer.state and scheduler.last_epoch == 1  # no update, but the schedule advanced
+
+
+def test_hftk_plan_shows_tp_and_sp_rows(capsys):
+    from hftk.errors import HftkError
+    from hftk.plan import plan_command
+
+    base = ["--model", "builtin:llama-tiny", "--world_size", "4", "--device_memory", "1", "--seq_len", "64"]
+    assert plan_command([*base, "--tp_size", "2", "--sp_size", "4"]) == 0
+    rows = {line.split("  ")[0].strip() for line in capsys.readouterr().out.splitlines()}
+    assert {"tp2 x fsdp2", "sp4", "ddp"} <= rows
+    with pytest.raises(HftkError, match="--tp_size"):
+        plan_command([*base, "--tp_size", "3"])

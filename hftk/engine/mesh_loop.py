@@ -34,11 +34,12 @@ import torch.nn.functional as F
 
 from hftk import strategies
 from hftk.checkpoint import announce_resume, resolve_resume
-from hftk.data import IGNORE_INDEX, tokenize_and_pack
+from hftk.data import IGNORE_INDEX
 from hftk.engine.guard import check_world
+from hftk.engine.trainer import load_data
 from hftk.errors import HftkError
 from hftk.memory import model_state_bytes
-from hftk.modeling import load_model, load_tokenizer
+from hftk.modeling import load_model
 from hftk.monitor import append_jsonl
 from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionSignal, agree, nonfinite_gradients
 from hftk.run_types import PreparedRun
@@ -264,7 +265,7 @@ def train_step(layout: MeshLayout, micro_batches: list[dict[str, torch.Tensor]],
         optimizer.step()
         out["memory"] = model_state_bytes(model, optimizer) if count_memory else None
     with warnings.catch_warnings():  # a dropped first update: torch warns the schedule runs ahead; it should
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return out
@@ -334,16 +335,14 @@ class Reporter:
 # ---------------------------------------------------------------- the run
 
 
-def _tokenized(prepared: PreparedRun, tokenizer: Any) -> Any:
-    """Rank 0 tokenises first; the others then read the datasets cache."""
-    cfg = prepared.cfg
-    seed = cfg.training.get("seed", 42)
+@contextlib.contextmanager
+def main_process_first(desc: str = "") -> Any:
+    """Rank 0 runs the body first (tokenising into the datasets cache); the others then read its cache."""
     if dist.get_rank() != 0:
         dist.barrier()
-    data = tokenize_and_pack(cfg.data, prepared.raw, tokenizer, prepared.data_format, seed)
+    yield
     if dist.get_rank() == 0:
         dist.barrier()
-    return data
 
 
 def loop_args(cfg: Any, max_steps: int) -> SimpleNamespace:
@@ -368,8 +367,7 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     device = "cpu" if device_type() == "cpu" else f"cuda:{torch.cuda.current_device()}"
     seed = t.get("seed", 42)
     set_seed(seed)
-    tokenizer = load_tokenizer(cfg.model)
-    data = _tokenized(prepared, tokenizer)
+    tokenizer, data = load_data(prepared, SimpleNamespace(seed=seed, main_process_first=main_process_first))
     layout = strategies.get(cfg.strategy.strategy).layout(load_model(cfg.model).to(device), cfg, device_type())
     optimizer = build_optimizer(layout.model, t)
 

@@ -154,3 +154,25 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
         shard_batch=lambda batch: sequence_slice(batch, sp_rank, sp),
         reduce_grads=lambda: all_reduce_grads(model, world) if dist.get_world_size() > 1 else None,
     )
+
+
+def estimate_memory(shape: Any, inputs: Any, sp: int) -> Any:
+    """Per-rank bytes of ``sp`` (an :class:`hftk.plan.StrategyPlan`): the whole model, 1/sp of the activations.
+
+    Parameters, gradients and AdamW state are replicated (as under DDP); the flat all-reduce bucket
+    is the transient. Each rank keeps ``s / sp`` tokens of every activation and attends over the
+    whole sequence for ``a / sp`` heads, so per layer ``b s h (34 + 5 a s / h) / sp``.
+    """
+    from hftk.plan import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
+
+    w = DTYPE_BYTES[inputs.dtype]
+    b, s, h = inputs.micro_batch, inputs.seq_len, shape.hidden
+    scale = 2.0 if inputs.dtype == "float32" else 1.0  # the formula counts 16-bit activations
+    per_layer = b * s * h * (34 + 5 * shape.heads * s / h) * scale / sp
+    layers = (per_layer + b * s * h * 4 * (shape.layers - 1) / sp) if inputs.gradient_checkpointing \
+        else per_layer * shape.layers
+    activations = int(layers + 3 * b * s * shape.vocab * 4 / sp)
+    bucket = 2 * min(shape.params * w, BUCKET_BYTES)  # the bucket and its flattened copy
+    counters = 4 * shape.trainable_tensors  # torch AdamW's per-parameter step counters
+    return StrategyPlan(f"sp{sp}", shape.params * w, shape.params * w, 2 * shape.params * w + counters, bucket,
+                        activations, RUNTIME_BYTES[inputs.device], 0)

@@ -114,3 +114,50 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
                   "family": model.config.model_type, "vocab_parallel_loss": tp > 1},
         loss_context=loss_parallel if tp > 1 else contextlib.nullcontext,
     )
+
+
+def estimate_memory(shape: Any, inputs: Any, tp: int) -> Any:
+    """Per-rank bytes of ``tp`` (an :class:`hftk.plan.StrategyPlan`): TP over ``tp``, FSDP2 over the rest.
+
+    The small parameters (norms, biases: ``shape.persistent``) stay whole under TP; everything else
+    is split ``tp`` ways, then FSDP2 splits what a rank holds over ``world_size / tp``. Activations
+    follow Korthikanti et al. for TP without sequence-parallel norms, per layer
+    ``b s h (10 + 24 / t + 5 a s / (h t))``; the logits are vocabulary-sharded.
+    """
+    from hftk.plan import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
+
+    data = max(inputs.world_size // tp, 1)
+    w = DTYPE_BYTES[inputs.dtype]
+    per_rank = -(-((shape.params - shape.persistent) // tp + shape.persistent) // data)
+    transient = 0
+    if data > 1:  # FSDP2: the gathered block (current + prefetched), its unsharded gradient, the root
+        block = shape.largest_block // tp
+        transient = 2 * block * w + block * 4 + shape.outside_blocks // tp * w
+    b, s, h = inputs.micro_batch, inputs.seq_len, shape.hidden
+    scale = 2.0 if inputs.dtype == "float32" else 1.0  # the formula counts 16-bit activations
+    per_layer = b * s * h * (10 + 24 / tp + 5 * shape.heads * s / (h * tp)) * scale
+    layers = (per_layer + b * s * h * 4 * (shape.layers - 1)) if inputs.gradient_checkpointing else per_layer * shape.layers
+    activations = int(layers + 3 * b * s * shape.vocab * 4 / tp)
+    counters = 4 * shape.trainable_tensors  # torch AdamW's per-parameter step counters (every rank has all)
+    return StrategyPlan(f"tp{tp}" + (f" x fsdp{data}" if data > 1 else ""), per_rank * w, per_rank * w,
+                        2 * per_rank * w + counters, transient, activations, RUNTIME_BYTES[inputs.device], 0)
+
+
+def plan_rows(shape: Any, inputs: Any, tp_size: int, sp_size: int) -> list[Any]:
+    """``hftk plan`` rows for tensor / sequence parallel at the asked degrees (shown; ``auto`` never picks them).
+
+    Which layout suits a model is a question of interconnect and sequence length, not only of
+    memory, so these rows inform and the pick stays among the data-parallel strategies.
+    """
+    from hftk.plan import HEADROOM
+    from hftk.strategies import sequence
+
+    for name, degree in (("--tp_size", tp_size), ("--sp_size", sp_size)):
+        if inputs.world_size % degree:
+            raise HftkError(name, f"{degree} does not divide the world size {inputs.world_size}.",
+                            f"choose a {name} that divides --world_size.")
+    rows = [estimate_memory(shape, inputs, tp_size)] if tp_size > 1 else []
+    rows += [sequence.estimate_memory(shape, inputs, sp_size)] if sp_size > 1 else []
+    for row in rows:
+        row.fits = row.device_total <= inputs.device_memory_bytes * (1 - HEADROOM)
+    return rows
