@@ -50,10 +50,11 @@ def test_yaml_fields_start_two_real_ranks_on_cpu_and_gpu(strategy, monkeypatch):
     assert defaults.num_processes == 2 and defaults.num_machines == 1
     assert not args.cpu and not defaults.use_cpu  # either would start ONE process on CPU
     kind = defaults.distributed_type.value
-    assert kind == {"fsdp": "FSDP", "pipeline": "MULTI_GPU", "ddp": "MULTI_GPU"}.get(strategy, "DEEPSPEED")
+    plain = ("ddp", "pipeline", "tp", "sp")  # the strategy comes from --strategy, not from the launch
+    assert kind == ("FSDP" if strategy == "fsdp" else "MULTI_GPU" if strategy in plain else "DEEPSPEED")
     assert kind != "MULTI_CPU"
     found = launcher_strategy(env)
-    assert (found[0] if found else None) == (None if strategy in ("ddp", "pipeline") else strategy)
+    assert (found[0] if found else None) == (None if strategy in plain else strategy)
     if strategy in DEEPSPEED_STRATEGIES:
         ds = json.loads(Path(env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]).read_text())
         assert ds["zero_optimization"]["stage"] == int(strategy[4])
