@@ -336,7 +336,8 @@ ERRORS = [
     # (id, WORLD_SIZE, args, field named, words the message must contain)
     ("mesh_not_world", 2, ["--strategy", "tp", "--tp_size", "2", "--dp_shard_size", "2"], "strategy.tp_size", "world size"),
     ("heads_not_divisible", 3, [*LLAMA, "--strategy", "tp", "--tp_size", "3"], "strategy.tp_size", "heads"),
-    ("no_plan", 2, ["--model_name_or_path", "{opt}", "--strategy", "tp", "--tp_size", "2"], "model.model_name_or_path", "'opt'"),
+    ("no_plan", 2, ["--model_name_or_path", "{opt}", "--strategy", "tp", "--tp_size", "2"],
+     "model.model_name_or_path", "'opt'"),
     ("tp_with_sp", 4, [*LLAMA, "--strategy", "tp", "--tp_size", "2", "--sp_size", "2"], "strategy.sp_size", "strategy tp"),
     ("sp_with_tp", 4, [*LLAMA, "--strategy", "sp", "--sp_size", "2", "--tp_size", "2"], "strategy.tp_size", "strategy sp"),
     ("tp_size_needs_tp", 2, ["--tp_size", "2"], "strategy.tp_size", "--strategy tp"),

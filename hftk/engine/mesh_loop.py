@@ -101,8 +101,9 @@ def check_training_options(cfg: Any, strategy: str) -> None:
 # ---------------------------------------------------------------- process group
 
 
-def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def device_type(cfg: Any) -> str:
+    """Where the ranks compute: the GPU when there is one (unless ``training.use_cpu``), else the CPU."""
+    return "cuda" if torch.cuda.is_available() and not cfg.training.get("use_cpu") else "cpu"
 
 
 def init_process_group(cfg: Any) -> int:
@@ -110,7 +111,7 @@ def init_process_group(cfg: Any) -> int:
     if dist.is_initialized():
         return dist.get_world_size()
     timeout = timedelta(seconds=int(cfg.training.get("ddp_timeout", 1800)))
-    if device_type() == "cuda":
+    if device_type(cfg) == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(timeout=timeout)
@@ -190,8 +191,8 @@ def build_optimizer(model: torch.nn.Module, training: dict[str, Any]) -> torch.o
     param_groups = [{"params": params, "weight_decay": decay if decays else 0.0}
                     for (decays, _), params in groups.items()]
     return torch.optim.AdamW(
-        param_groups, lr=training["learning_rate"], betas=(training.get("adam_beta1", 0.9), training.get("adam_beta2", 0.999)),
-        eps=training.get("adam_epsilon", 1e-8),
+        param_groups, lr=training["learning_rate"], eps=training.get("adam_epsilon", 1e-8),
+        betas=(training.get("adam_beta1", 0.9), training.get("adam_beta2", 0.999)),
     )
 
 
@@ -364,11 +365,12 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     t = cfg.training
     init_process_group(cfg)
     main = dist.get_rank() == 0
-    device = "cpu" if device_type() == "cpu" else f"cuda:{torch.cuda.current_device()}"
+    kind = device_type(cfg)
+    device = "cpu" if kind == "cpu" else f"cuda:{torch.cuda.current_device()}"
     seed = t.get("seed", 42)
     set_seed(seed)
     tokenizer, data = load_data(prepared, SimpleNamespace(seed=seed, main_process_first=main_process_first))
-    layout = strategies.get(cfg.strategy.strategy).layout(load_model(cfg.model).to(device), cfg, device_type())
+    layout = strategies.get(cfg.strategy.strategy).layout(load_model(cfg.model).to(device), cfg, kind)
     optimizer = build_optimizer(layout.model, t)
 
     micro = t["per_device_train_batch_size"]

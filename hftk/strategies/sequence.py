@@ -64,7 +64,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if heads % s.sp_size or (kv % s.sp_size and s.sp_size % kv):
         raise HftkError("strategy.sp_size", f"the model's {heads} attention heads ({kv} key/value heads) do not split "
-                        f"over sp_size {s.sp_size}.", f"choose an sp_size that divides {heads} (and {kv}, or a multiple of it).")
+                        f"over sp_size {s.sp_size}.",
+                        f"choose an sp_size that divides {heads} (and {kv}, or a multiple of it).")
 
 
 def register_ulysses(model: Any, group: Any) -> None:

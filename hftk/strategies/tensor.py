@@ -34,7 +34,8 @@ def mesh_shape(cfg: RunConfig, world_size: int) -> tuple[int, int, int]:
     s = cfg.strategy
     for name in ("tp_size", "dp_replicate_size"):
         if getattr(s, name) < 1:
-            raise HftkError(f"strategy.{name}", f"must be 1 or more, got {getattr(s, name)}.", f"set strategy.{name} to 1 or more.")
+            raise HftkError(f"strategy.{name}", f"must be 1 or more, got {getattr(s, name)}.",
+                            f"set strategy.{name} to 1 or more.")
     if s.dp_shard_size == 0 or s.dp_shard_size < -1:
         raise HftkError("strategy.dp_shard_size", f"must be -1 or 1 or more, got {s.dp_shard_size}.",
                         "use -1 (the rest of the world) or a positive degree.")
@@ -67,7 +68,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise HftkError("strategy.fsdp_cpu_offload", "is not supported with strategy tp.",
                         "drop it, or use strategy fsdp / zero3_offload for offloading.")
     if cfg.model.lora_r > 0:
-        raise HftkError("model.lora_r", "LoRA is not supported with strategy tp.", "train the full model, or use ddp / fsdp.")
+        raise HftkError("model.lora_r", "LoRA is not supported with strategy tp.",
+                        "train the full model, or use ddp / fsdp.")
     replicate, shard, tp = mesh_shape(cfg, world_size)
     check_training_options(cfg, "tp")
     if tp > 1:

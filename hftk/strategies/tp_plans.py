@@ -57,7 +57,8 @@ def block_plan(model_config: Any) -> dict[str, str]:
     unknown = sorted({s for s in plan.values() if s not in STYLES})
     if not plan or unknown:
         raise HftkError("model.model_name_or_path",
-                        f"the '{family}' config's tensor-parallel plan uses styles hftk does not apply: {unknown or 'none'}.",
+                        f"the '{family}' config's tensor-parallel plan uses styles hftk does not apply: "
+                        f"{unknown or 'none'}.",
                         f"use a model whose plan uses only {', '.join(STYLES)}, or strategy fsdp.")
     return plan
 

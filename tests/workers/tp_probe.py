@@ -122,7 +122,8 @@ def probe_sp() -> dict:
         attn_head_size=config.hidden_size // config.num_attention_heads, kv_head_count=config.num_key_value_heads,
         num_hidden_layers=config.num_hidden_layers, process_group=dist.group.WORLD, seq_length_is_variable=True,
         disable_in_eval=True)
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = lambda module, q, k, v, mask, *a, **kw: accelerate_style(module, q, k, v, None, *a, **kw)
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = lambda module, q, k, v, mask, *a, **kw: accelerate_style(
+        module, q, k, v, None, *a, **kw)
     model.eval()
     trap_loss = sp_loss()
     ALL_ATTENTION_FUNCTIONS["sdpa"] = hftk_attention
