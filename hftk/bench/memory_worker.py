@@ -20,6 +20,7 @@ Two measurements per rank:
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,7 @@ def gather(record: dict[str, int]) -> list[dict[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hftk import strategies
     from hftk.engine.trainer import build_trainer
     from hftk.errors import HftkError
     from hftk.run import prepare
@@ -105,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         if prepared.cfg.training.get("max_steps", -1) < COUNTED_STEP:
             raise HftkError("training.max_steps", f"the probe counts optimizer step {COUNTED_STEP} (the first creates "
                             "the optimizer state).", f"pass --max_steps {COUNTED_STEP} or more.")
+        if getattr(strategies.get(prepared.cfg.strategy.strategy), "ENGINE", "trainer") == "mesh_loop":
+            return mesh_memory(prepared, out)
         trainer, _, _ = build_trainer(prepared)
     except HftkError as exc:
         print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
@@ -119,6 +123,26 @@ def main(argv: list[str] | None = None) -> int:
                                    "device": "gpu" if trainer.args.device.type == "cuda" else "cpu",
                                    "ranks": ranks}, indent=1))
     trainer.accelerator.end_training()
+    return 0
+
+
+def mesh_memory(prepared: Any, out: Path) -> int:
+    """Tensor / sequence parallel (hftk's mesh loop, no Trainer): the loop counts the same bytes itself.
+
+    It logs every rank's params / grads / optimizer bytes after its first optimizer step and the
+    training phase's peak (reset before the first step) as one ``memory`` record in metrics.jsonl.
+    """
+    from hftk.engine import mesh_loop
+    from hftk.monitor import read_jsonl
+
+    cfg = prepared.cfg
+    mesh_loop.train(prepared)
+    if int(os.environ.get("RANK", "0")) == 0:
+        ranks = next(r["memory"] for r in read_jsonl(cfg.output_dir / cfg.tracking.metrics_file) if "memory" in r)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"strategy": cfg.strategy.strategy, "world_size": len(ranks),
+                                   "device": "gpu" if mesh_loop.device_type(cfg) == "cuda" else "cpu",
+                                   "ranks": ranks}, indent=1))
     return 0
 
 

@@ -193,6 +193,7 @@ def build_optimizer(model: torch.nn.Module, training: dict[str, Any]) -> torch.o
     return torch.optim.AdamW(
         param_groups, lr=training["learning_rate"], eps=training.get("adam_epsilon", 1e-8),
         betas=(training.get("adam_beta1", 0.9), training.get("adam_beta2", 0.999)),
+        fused=True if training.get("optim") == "adamw_torch_fused" else None,
     )
 
 
@@ -352,7 +353,7 @@ def loop_args(cfg: Any, max_steps: int) -> SimpleNamespace:
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)
                 if f.init and f.default is not dataclasses.MISSING}
-    return SimpleNamespace(**{**defaults, **cfg.training, "optim": "adamw_torch", "max_steps": max_steps})
+    return SimpleNamespace(**{**defaults, "optim": "adamw_torch", **cfg.training, "max_steps": max_steps})
 
 
 def train(prepared: PreparedRun) -> dict[str, float]:
@@ -408,6 +409,7 @@ def train(prepared: PreparedRun) -> dict[str, float]:
         if pusher is not None:
             pusher.checkpoint_published(folder)
 
+    lifetime_peak = peak_memory_bytes(torch.device(device))  # imports, loading, sharding
     reset_peak_memory(torch.device(device))
     state_bytes: dict[str, int] | None = None
     window: list[dict[str, float]] = []
@@ -453,7 +455,8 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     signal.uninstall()
     if state_bytes is not None:
         peak = peak_memory_bytes(torch.device(device))  # training phase (eval and the final save excluded)
-        reporter.log({"step": step, "memory": gather_objects({**state_bytes, "peak": peak})})
+        reporter.log({"step": step, "memory": gather_objects({**state_bytes, "peak": peak,
+                                                              "lifetime_peak": lifetime_peak})})
     if data.eval is not None and evaluated_at != step:
         result.update(_log_eval(layout, data.eval, t, device, step, steps_per_epoch, reporter))
     final = cfg.output_dir / FINAL_DIR
