@@ -5,9 +5,9 @@ turns step by step (see :mod:`hftk.bench.comm_worker`), so load on a shared mach
 all of them alike. Per hook: step time, communication share of the step, bytes each rank sends
 per step and the ratio to an fp32 all-reduce, and the loss after N steps. Communication time
 comes from the hooks' own counters (the union of the intervals in which a collective was in
-flight: :mod:`hftk.comm.accounting`), and the *exposed* part from the time backward kept
-waiting after its last bucket was handed over; never from subtracting a ``no_sync`` run, whose
-difference drowns in the noise. Warm-up steps (uncompressed, for PowerSGD and top-k) and the
+flight: :mod:`hftk.comm.accounting`), and the *exposed* part (hooks blocked on a collective, plus
+communication still in flight after the last bucket was handed over); never from subtracting a
+``no_sync`` run, whose difference drowns in the noise. Warm-up steps (uncompressed, for PowerSGD and top-k) and the
 first steps are not timed.
 """
 
@@ -27,6 +27,19 @@ from hftk.bench.launch import DEFAULT_MODEL, Machine, free_port, threads_per_ran
 from hftk.bench.stats import spread
 
 HOOKS = ("none", "fp16", "bf16", "powersgd", "topk")
+OPTION_HELP = {
+    "nproc": "ranks (DDP replicas of each hook)",
+    "model": "model every hook trains (Hub id, folder or builtin:NAME)",
+    "steps": "optimizer steps per hook, warm-up included",
+    "block_size": "tokens per sequence",
+    "micro_batch": "sequences per rank per step",
+    "bucket_cap_mb": "DDP bucket size in MB",
+    "warmup_steps": "uncompressed steps before PowerSGD and top-k compress (not timed)",
+    "powersgd_rank": "PowerSGD rank",
+    "topk_ratio": "top-k: fraction of the entries sent",
+    "hooks": "comma-separated hooks to compare (none = hftk's fp32 all-reduce hook)",
+    "timeout": "seconds before the launch is killed",
+}
 
 
 def run_comm_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, steps: int = 30,

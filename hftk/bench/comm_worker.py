@@ -4,8 +4,9 @@ Run under torchrun: ``python -m torch.distributed.run --nproc_per_node 2 -m hftk
 --plan plan.json --out results.json``. Each job of the plan trains one DDP replica per hook
 from the same initial weights on the same batches; with ``interleave`` the hooks take turns step
 by step (A B C A B C ...) so machine noise falls on all of them alike. Every step records the
-hook's counters (bytes, collectives, in-flight time), wall and CPU time, the time backward
-spent waiting for communication after its last bucket was handed over, and, with
+hook's counters (bytes, collectives, in-flight time), wall and CPU time, the exposed
+communication (hooks blocked on a collective, plus what was still in flight after the last
+bucket was handed over: what backward waited for), and, with
 ``check_sync``, whether all ranks hold bitwise-identical parameters.
 """
 
@@ -33,7 +34,7 @@ from hftk.monitor import parameter_digest
 
 JOB_DEFAULTS: dict[str, Any] = {
     "model": "builtin:gpt2-tiny", "hooks": ["none", "fp16", "bf16", "powersgd", "topk"], "bucket_cap_mb": 25.0,
-    "steps": 20, "block_size": 32, "batch": 4, "lr": 1e-3, "optimizer": "adamw", "powersgd_rank": 4,
+    "steps": 20, "block_size": 32, "batch": 4, "lr": 1e-3, "optimizer": "adamw", "max_grad_norm": 1.0, "powersgd_rank": 4,
     "powersgd_warmup_steps": 10, "topk_ratio": 0.01, "topk_warmup_steps": 10, "hierarchical": False, "check_sync": False,
     "interleave": True, "eval_batches": 4,
 }
@@ -78,17 +79,19 @@ def make_replica(base: Any, hook: str, job: dict[str, Any], device: torch.device
     return Replica(hook=hook, ddp=ddp, optimizer=optimizer, state=state)
 
 
-def train_step(replica: Replica, batch: torch.Tensor, check_sync: bool) -> None:
+def train_step(replica: Replica, batch: torch.Tensor, max_grad_norm: float, check_sync: bool) -> None:
     cpu0, wall0 = time.process_time(), time.perf_counter()
     loss = replica.ddp(input_ids=batch, labels=batch).loss
     loss.backward()
-    backward_end = time.perf_counter()
+    stats = replica.state.stats
+    exposed = stats.in_flight_since(stats.last_hook_end)
+    torch.nn.utils.clip_grad_norm_(replica.ddp.parameters(), max_grad_norm)
     replica.optimizer.step()
     replica.optimizer.zero_grad(set_to_none=True)
     wall = time.perf_counter() - wall0
-    counters = log_fields(replica.state.stats.end_step())
+    counters = log_fields(stats.end_step())
     record = {"loss": loss.item(), "wall_s": wall, "cpu_s": time.process_time() - cpu0,
-              "exposed_comm_s": max(0.0, backward_end - replica.state.stats.last_hook_end), **counters}
+              "exposed_comm_s": exposed + counters["comm_wait_s"], **counters}
     if check_sync:
         digests: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(digests, parameter_digest(replica.ddp.module))
@@ -120,7 +123,7 @@ def run_job(job: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
         for step in range(job["steps"]):
             batch = batch_for(train_blocks, step, rank, world, job["batch"])
             for replica in replicas:
-                train_step(replica, batch, job["check_sync"])
+                train_step(replica, batch, job["max_grad_norm"], job["check_sync"])
         for replica in replicas:
             results.append({**{k: job[k] for k in JOB_DEFAULTS if k != "hooks"}, "name": job.get("name", ""),
                             "hook": replica.hook, "world_size": world, "steps_run": len(replica.records),

@@ -7,10 +7,14 @@ that DDP would otherwise run, so the ratio between the two is what a hook saves 
 backend's actual algorithm. Gloo and NCCL both pick bandwidth-optimal algorithms for large
 messages, which is where these figures matter.
 
+Hierarchical phases run on sub-groups: their factors use the sub-group's size, and the leaders'
+all-reduce is also counted as inter-node bytes (only leaders send those).
+
 Time is the union of the intervals during which at least one of the step's collectives was in
-flight (issue -> completion callback): overlapping collectives are not counted twice. On NCCL the
-completion callback runs when the work is done on the device's stream, so the figure is still an
-in-flight time; use ``torch.profiler`` for kernel-level detail.
+flight (issue -> completion callback): overlapping collectives are not counted twice. This is
+wall time on gloo, whose futures complete when the data has arrived. NCCL futures complete once
+the work is ordered on the device's stream, so there the figure understates: use the profiler
+(``hftk.telemetry``'s communication share) for GPU timings.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class StepCounters:
     buckets: int = 0
     comm_time_s: float = 0.0
     hook_time_s: float = 0.0
+    wait_time_s: float = 0.0  # a hook blocked on a collective (backward stalled meanwhile)
 
     def add(self, other: StepCounters) -> None:
         for name in self.__dataclass_fields__:
@@ -103,6 +108,20 @@ class CommStats:
         with self._lock:
             interval[1] = time.perf_counter()
 
+    def waited(self, seconds: float) -> None:
+        with self._lock:
+            self.current.wait_time_s += seconds
+
+    def in_flight_since(self, since: float) -> float:
+        """How long after ``since`` a collective of the current step was in flight.
+
+        With ``since`` = :attr:`last_hook_end`, read when backward returns: the communication
+        backward had to wait for, because no gradient computation was left to hide it.
+        """
+        with self._lock:
+            late = [[max(start, since), end] for start, end in self._intervals if math.isnan(end) or end > since]
+        return _union_length(late)
+
     def end_step(self) -> StepCounters:
         """Close the optimizer step: returns its counters and adds them to the logging window."""
         with self._lock:
@@ -141,6 +160,7 @@ def log_fields(counters: StepCounters, steps: int = 1) -> dict[str, Any]:
         "comm_buckets": per["buckets"],
         "comm_time_s": per["comm_time_s"],
         "comm_hook_time_s": per["hook_time_s"],
+        "comm_wait_s": per["wait_time_s"],
     }
 
 

@@ -41,7 +41,7 @@ class FlatComm:
         """Every rank's ``tensor`` concatenated in rank order (one flat tensor)."""
         out = tensor.new_empty(self.size * tensor.numel())
         interval = self.stats.issued("all_gather", tensor.numel() * tensor.element_size(), self.size)
-        work = dist.all_gather_into_tensor(out, tensor.contiguous(), group=self.group, async_op=True)
+        work = dist.all_gather_single(out, tensor.contiguous(), group=self.group, async_op=True)
         return work.get_future().then(lambda _: self._done(interval, out))
 
     def _done(self, interval: list[float], result: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ returned as an already completed future.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -94,7 +95,7 @@ class HierarchicalComm:
         if self.topology.is_leader:
             if self.num_nodes > 1:
                 self._sync("all_gather", nbytes * self.node_size, self.num_nodes, True,
-                           lambda: dist.all_gather_into_tensor(out, node_buf, group=self.inter, async_op=True))
+                           lambda: dist.all_gather_single(out, node_buf, group=self.inter, async_op=True))
             else:
                 out.copy_(node_buf)
         if self.node_size > 1:
@@ -106,3 +107,4 @@ class HierarchicalComm:
         interval = self.stats.issued(op, nbytes, group_size, inter_node=inter_node)
         issue().wait()
         self.stats.completed(interval)
+        self.stats.waited(time.perf_counter() - interval[0])

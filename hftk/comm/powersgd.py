@@ -13,6 +13,7 @@ direction to start from).
 
 from __future__ import annotations
 
+import time
 import zlib
 from typing import Any
 
@@ -65,7 +66,9 @@ def powersgd_average(state: HookState, bucket: Any) -> torch.futures.Future:
     uncompressed = [buffer[where].float().div(world) for where in vectors]
     ps = [m @ q for _, _, m, q in matrices]
     first = torch.cat([*(u.flatten() for u in uncompressed), *(p.flatten() for p in ps)])
+    started = time.perf_counter()
     first = state.comm.all_reduce(first).wait()  # P must be summed before Q can be computed
+    state.stats.waited(time.perf_counter() - started)
 
     offset = 0
     for where, u in zip(vectors, uncompressed):
