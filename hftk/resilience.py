@@ -96,7 +96,10 @@ def agree(flags: list[bool], device: Any) -> list[bool]:
 def nonfinite_gradients(parameters: Iterable[torch.nn.Parameter]) -> bool:
     """Whether any local gradient (a DTensor's local shard) holds a NaN or Inf.
 
-    The max-abs norm never overflows a finite gradient, unlike the 2-norm in half precision.
+    The max-abs norm never overflows a finite gradient, unlike the 2-norm in half precision; but
+    on CPU it costs ~15x the 2-norm (10 ms per step for a 3.7M-parameter model: 2-3 % of the step).
+    So the 2-norm, finite for every finite gradient that does not overflow it, answers first, and
+    the max-abs norm is asked only when the 2-norm is not finite.
     """
     by_device: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for param in parameters:
@@ -104,8 +107,12 @@ def nonfinite_gradients(parameters: Iterable[torch.nn.Parameter]) -> bool:
         if grad is not None:
             grad = grad.to_local() if hasattr(grad, "to_local") else grad
             by_device[grad.device].append(grad)
-    return any(not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).all())
+    return any(not _norms_finite(grads, 2.0) and not _norms_finite(grads, float("inf"))
                for grads in by_device.values())
+
+
+def _norms_finite(grads: list[torch.Tensor], order: float) -> bool:
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads, order))).all())
 
 
 class StepGuard(TrainerCallback):
