@@ -153,7 +153,7 @@ class Window:
     steps: int = 0
     wall: float = 0.0
     cpu: float = 0.0
-    compute: float = 0.0
+    segments: list[tuple[Any, Any]] = field(default_factory=list)  # (forward start, last gradient) marks
     computed_steps: int = 0
     comm_share: float = math.nan
 
@@ -171,9 +171,8 @@ class RankMonitor:
     profile_every: int = 0
     window: Window = field(default_factory=Window)
     _hooks: list[Any] = field(default_factory=list)
-    _fwd_start: float | None = None
-    _last_grad: float | None = None
-    _step_compute: float = 0.0
+    _fwd_start: Any = None
+    _last_grad: Any = None
     _step_computed: bool = False
     _last_end: tuple[float, float] | None = None
     _begin: tuple[float, float] = (0.0, 0.0)
@@ -195,24 +194,39 @@ class RankMonitor:
             hook.remove()
         self._hooks.clear()
 
+    def _mark(self) -> Any:
+        """A point in this rank's compute: a CUDA event on GPU (the CPU runs ahead of the GPU, and the
+        gradient all-reduce waits on its own stream), a perf_counter reading on CPU."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
         if module.training:
             self._close_segment()
-            self._fwd_start = time.perf_counter()
+            self._fwd_start = self._mark()
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        self._last_grad = time.perf_counter()
+        self._last_grad = self._mark()
 
     def _close_segment(self) -> None:
         """One micro-batch's compute: its forward start to its last gradient."""
-        if self._fwd_start is not None and self._last_grad is not None and self._last_grad > self._fwd_start:
-            self._step_compute += self._last_grad - self._fwd_start
+        if self._fwd_start is not None and self._last_grad is not None:
+            self.window.segments.append((self._fwd_start, self._last_grad))
             self._step_computed = True
         self._fwd_start = self._last_grad = None
 
+    def _compute_seconds(self) -> float:
+        if self.device.type == "cuda":
+            self._sync()
+            return sum(start.elapsed_time(end) for start, end in self.window.segments) / 1e3
+        return sum(end - start for start, end in self.window.segments)
+
     def step_begin(self, step: int) -> None:
         """``step``: 1-based number of the optimizer step about to run."""
-        self._step_compute, self._step_computed = 0.0, False
+        self._step_computed = False
         if self.profile_every > 0 and (step == 3 or step % self.profile_every == 0):
             self._sync()
             self._profiler = torch.profiler.profile(activities=_activities(self.device))
@@ -228,9 +242,7 @@ class RankMonitor:
         w.steps += 1
         w.wall += now[0] - self._last_end[0]  # end to end: data loading and waits count too
         w.cpu += now[1] - self._last_end[1]
-        if self._step_computed:
-            w.compute += self._step_compute
-            w.computed_steps += 1
+        w.computed_steps += int(self._step_computed)
         if self._profiler is not None:
             self._sync()
             self._profiled = (self._profiler, time.perf_counter() - self._begin[0])
@@ -261,7 +273,7 @@ class RankMonitor:
         """This rank's window, in the order of :data:`FIELDS` (NaN where not measured)."""
         w = self.window
         steps = max(w.steps, 1)
-        compute = w.compute / w.computed_steps if w.computed_steps == w.steps and w.steps else math.nan
+        compute = self._compute_seconds() / w.steps if w.computed_steps == w.steps and w.steps else math.nan
         tensors = model_state_bytes(model, optimizer)["total"] / MB if model is not None else math.nan
         return [w.wall / steps, compute, w.cpu / steps, peak_memory_bytes(self.device) / MB, tensors, w.comm_share]
 
@@ -299,9 +311,9 @@ def gather_rows(local: list[float], device: torch.device) -> list[list[float]]:
         return [local]
     on = device if "nccl" in str(dist.get_backend()) else torch.device("cpu")
     mine = torch.tensor(local, dtype=torch.float64, device=on)
-    out = torch.empty(dist.get_world_size() * len(local), dtype=torch.float64, device=on)
-    dist.all_gather_into_tensor(out, mine)
-    return out.view(dist.get_world_size(), len(local)).tolist()
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return [row.tolist() for row in rows]
 
 
 @dataclass
