@@ -236,6 +236,18 @@ def test_verify_refuses_a_model_that_is_not_a_deepspeed_engine():
         verify(trainer)
 
 
+def test_use_cpu_is_refused_only_where_it_would_drop_deepspeed(monkeypatch):
+    from hftk.config import load_config
+    from hftk.strategies import deepspeed
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    cfg = load_config(["--strategy", "zero3", "--use_cpu", "true"])
+    deepspeed.validate(cfg, 2)  # no GPU: hftk runs DeepSpeed on the CPU with use_cpu anyway
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(HftkError, match="training.use_cpu"):
+        deepspeed.validate(cfg, 2)
+
+
 def test_byte_ranges_count_a_buffer_and_its_views_once():
     from hftk.memory import ByteRanges
 
@@ -255,7 +267,6 @@ BAD = [
     ("fp16_on_cpu", ["--strategy", "zero3", "--fp16"], "training.fp16"),
     ("ddp_hook_with_zero", ["--strategy", "zero1", "--grad_compression", "fp16"], "strategy.grad_compression"),
     ("own_deepspeed_json", ["--strategy", "zero2", "--deepspeed", "ds.json"], "training.deepspeed"),
-    ("use_cpu_with_zero", ["--strategy", "zero3", "--use_cpu"], "training.use_cpu"),
     ("sgd_with_offload", ["--strategy", "zero3_offload", "--optim", "sgd"], "training.optim"),
     ("no_launcher", ["--strategy", "zero3"], "launch"),
     ("unknown_strategy", ["--config", "{tmp}/zero9.yaml"], "strategy.strategy"),

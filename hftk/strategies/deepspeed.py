@@ -115,9 +115,9 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if t.get("fsdp"):
         raise HftkError("training.fsdp", f"FSDP and DeepSpeed ({name}) cannot both shard the model.",
                         "drop --fsdp, or use --strategy fsdp.")
-    if t.get("use_cpu"):
+    if t.get("use_cpu") and torch.cuda.is_available():
         raise HftkError("training.use_cpu", f"makes accelerate skip DeepSpeed, so {name} would silently train as DDP.",
-                        "drop --use_cpu; without a GPU DeepSpeed runs on the CPU by itself.")
+                        "drop --use_cpu to train on the GPUs.")
     if not isinstance(t.get("accelerator_config") or {}, dict):
         raise HftkError("training.accelerator_config", f"{name} adds to it, so it must be given inline.",
                         "write accelerator_config as a mapping in the run YAML.")
@@ -134,13 +134,13 @@ def validate(cfg: RunConfig, world_size: int) -> None:
 def training_arguments(cfg: RunConfig, model_config: Any) -> dict[str, Any]:
     """``deepspeed=<dict>``: the Trainer fills the "auto" values and registers it before the model loads.
 
-    ``use_cpu`` stays False even without a GPU: accelerate turns DeepSpeed off when told "cpu"
-    (the run would silently be DDP). On DeepSpeed's CPU accelerator, accelerate 1.15 finds no
-    backend and reports world size 1 while DeepSpeed's group has N ranks, so this starts the
-    shared accelerate state itself, with DeepSpeed's backend (gloo, or ccl when oneCCL is
-    installed), and the Trainer is told to use it.
+    On DeepSpeed's CPU accelerator, accelerate 1.15 would either drop DeepSpeed (``use_cpu``,
+    which the Trainer needs on CPU, e.g. for bf16) or find no backend and report world size 1
+    while DeepSpeed's group has N ranks. So this starts accelerate's shared state itself, with
+    DeepSpeed's backend (gloo, or ccl when oneCCL is installed), and tells the Trainer to use it;
+    ``use_cpu`` then only keeps the Trainer's CPU-side checks happy.
     """
-    kwargs: dict[str, Any] = {"deepspeed": deepspeed_config(cfg), "use_cpu": False}
+    kwargs: dict[str, Any] = {"deepspeed": deepspeed_config(cfg)}
     if _deepspeed_device() == "cpu":
         _start_cpu_state(int(cfg.training.get("ddp_timeout", 1800)))
         kwargs["accelerator_config"] = {**(cfg.training.get("accelerator_config") or {}), "use_configured_state": True}
