@@ -3,10 +3,18 @@ equal a single-node run with the same global batch."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
-from tests.helpers import FINETUNE, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, metrics
-from tests.netns import run_on_two_hosts
+from tests.helpers import FINETUNE, TINY_ARGS, finetune, free_port, load_weights, losses, max_weight_diff, metrics
+from tests.netns import run_on_two_hosts, two_hosts
 
 pytestmark = pytest.mark.slow
 STEPS = 5
@@ -58,3 +66,86 @@ def test_replicas_stay_in_sync_across_nodes(runs, strategy, layout):
     world = 2 * LAYOUTS[layout]
     sync = [m for m in metrics(runs / f"{strategy}-{layout}") if "ranks_in_sync" in m]
     assert len(sync) == STEPS and all(m["ranks_in_sync"] and len(m["param_digests"]) == world for m in sync)
+
+
+# ---- node faults: restart from the latest checkpoint, or a clear error within the join timeout ----
+
+FAULT_STEPS = 30
+JOIN_TIMEOUT = 60
+FAULT_ARGS = [*TINY_ARGS, "--max_train_samples", "200", "--max_steps", str(FAULT_STEPS),
+              "--per_device_train_batch_size", "4", "--save_strategy", "steps", "--save_steps", "5"]
+
+
+def _elastic_node_cmd(host, main, port: int, args: list[str]) -> list[str]:
+    """torchrun on one host: c10d rendezvous at ``main``, one restart allowed (what the SLURM script runs)."""
+    return host.wrap([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                      "--rdzv-backend=c10d", f"--rdzv-endpoint={main.name if main.netns else main.address}:{port}",
+                      "--rdzv-id=hftk-node-fault", f"--rdzv-conf=join_timeout={JOIN_TIMEOUT}", "--max-restarts=1",
+                      "--monitor-interval=1", str(FINETUNE), *args])
+
+
+def _pids_of(tag: str, workers_only: bool) -> list[int]:
+    """Processes launched with HFTK_NODE_TAG=tag (a scheduler picking its victims from outside)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"HFTK_NODE_TAG={tag}".encode() in environ and (
+                not workers_only or any(e.startswith(b"LOCAL_RANK=") for e in environ)):
+            found.append(int(pid))
+    return found
+
+
+def _run_with_node_fault(out: Path, kill: str) -> tuple[list[int], list[str], float]:
+    """Two elastic nodes; once step 12 is logged, SIGKILL node 1's workers (kill='workers') or the whole
+    node, agent included (kill='node'). Returns exit codes, outputs, and seconds from the kill to the end."""
+    with two_hosts() as (a, b):
+        port = free_port()
+        procs = []
+        for rank, host in enumerate((a, b)):
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                   "HFTK_NODE_TAG": f"{out.name}-{rank}"}
+            procs.append(subprocess.Popen(_elastic_node_cmd(host, a, port, [*FAULT_ARGS, "--output_dir", str(out)]),
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        try:
+            deadline = time.time() + 400
+            while not any(m.get("step", 0) >= 12 and "loss" in m for m in _metrics_or_empty(out)):
+                assert time.time() < deadline and all(p.poll() is None for p in procs), "never reached step 12"
+                time.sleep(0.5)
+            for pid in _pids_of(f"{out.name}-1", workers_only=kill == "workers"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed_at = time.time()
+            outputs = [p.communicate(timeout=JOIN_TIMEOUT + 300)[0] for p in procs]
+            return [p.returncode for p in procs], outputs, time.time() - killed_at
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+
+
+def _metrics_or_empty(out: Path) -> list[dict]:
+    try:
+        return metrics(out)
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def test_killed_node_workers_restart_from_latest_checkpoint(tmp_path):
+    run_two_nodes_plain = tmp_path / "uninterrupted"
+    run_on_two_hosts(FINETUNE, [*FAULT_ARGS, "--output_dir", str(run_two_nodes_plain)], 1, 420)
+    codes, outputs, _ = _run_with_node_fault(tmp_path / "faulted", kill="workers")
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "resuming from" in "".join(outputs) and "checkpoint-10" in "".join(outputs)
+    assert max_weight_diff(load_weights(run_two_nodes_plain / "final"), load_weights(tmp_path / "faulted" / "final")) < 1e-6
+
+
+def test_lost_node_ends_in_a_clear_error_within_the_join_timeout(tmp_path):
+    codes, outputs, seconds = _run_with_node_fault(tmp_path / "lost", kill="node")
+    survivor = outputs[0]
+    assert codes[0] != 0
+    assert seconds < JOIN_TIMEOUT + 120, seconds
+    assert "RendezvousTimeoutError" in survivor or "Connection closed by peer" in survivor, survivor[-3000:]

@@ -46,6 +46,7 @@ def test_dry_run_prints_one_launch_per_node(tmp_path):
         assert opt["--strategy"] == "ddp" and opt["--resume_from_checkpoint"] == "latest"
         assert argv[-2:] == ["--dataset", "my data.jsonl"]  # user options survive quoting
         assert "PET_RDZV_ID=hftk-4242" in line  # the rendezvous id is the job id
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line  # restarts get a fresh store
 
 
 def test_procs_per_node_override_and_unknown_strategy(tmp_path):
