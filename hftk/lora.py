@@ -1,0 +1,344 @@
+"""LoRA through PEFT, applied from outside the model code, and its adapters saved whole.
+
+The one place hftk knows about LoRA:
+
+- which modules to adapt: ``model.lora_target_modules``, or a default per architecture
+  (:data:`DEFAULT_TARGETS`), checked against the model's real module names before any process
+  group starts (:func:`validate`);
+- :func:`apply`: ``peft.get_peft_model`` on the loaded model, before any strategy wraps or
+  shards it, with a seeded initialisation (FSDP2 and pipeline stages keep each rank's own
+  values, so every rank must draw the same ``lora_A``); under ZeRO-3 the new adapter weights are
+  partitioned like the base weights ``zero.Init`` already partitioned; the trainable-parameter
+  count is printed and written to ``metrics.jsonl``;
+- :func:`adapter_tensors`: every adapter tensor whole, read out of whatever holds it (a plain
+  parameter, an FSDP2 DTensor shard, a ZeRO-3 partition, one pipeline stage per rank). Reading
+  ``state_dict()`` instead is the field's incomplete-adapter failure (peft#453: ZeRO-3 partitions
+  are empty tensors outside a gather);
+- :func:`write_adapter` / :func:`save_final`: ``adapter_config.json`` + ``adapter_model.safetensors``
+  in PEFT's own format (``PeftModel.from_pretrained`` loads it), proven complete by shape;
+- :func:`export_adapter`: the adapter folder alone, or merged into the base model
+  (``merge_and_unload``) as a standard ``from_pretrained`` folder, for ``hftk export --merge``
+  and the merged Hub push.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hftk.config import ModelConfig, RunConfig
+from hftk.errors import HftkError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_NAME = "default"  # PEFT's name for the one adapter get_peft_model creates
+# Strategies whose engines train a PeftModel; tp / sp shard the linear layers LoRA wraps.
+SUPPORTED_STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "pipeline", "auto")
+_ATTENTION_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# model_type -> the attention and MLP projections (GPT-2's c_proj names both attention and MLP outputs).
+DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+    "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+    "llama": _ATTENTION_MLP,
+    "mistral": _ATTENTION_MLP,
+    "qwen2": _ATTENTION_MLP,
+}
+# Layer types PEFT's LoRA can wrap (transformers' Conv1D is GPT-2's linear layer).
+ADAPTABLE = ("Linear", "Conv1D", "Embedding", "Conv1d", "Conv2d", "Conv3d")
+
+
+# ---- before any process group ----
+
+def target_modules(cfg: ModelConfig, model_type: str) -> list[str]:
+    """The module names to adapt: the user's list, else the architecture's attention and MLP projections."""
+    if cfg.lora_target_modules:
+        return [name.strip() for name in cfg.lora_target_modules.split(",") if name.strip()]
+    if model_type not in DEFAULT_TARGETS:
+        raise HftkError("model.lora_target_modules", f"hftk has no default LoRA targets for architecture "
+                        f"'{model_type}'.", f"pass --lora_target_modules with its attention / MLP layer names "
+                        f"(defaults exist for {', '.join(sorted(DEFAULT_TARGETS))}).")
+    return list(DEFAULT_TARGETS[model_type])
+
+
+def lora_config(cfg: ModelConfig, model_type: str) -> Any:
+    """PEFT's ``LoraConfig`` of this run (no bias, causal LM, base revision recorded)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=target_modules(cfg, model_type), bias="none", task_type="CAUSAL_LM",
+                      fan_in_fan_out=model_type == "gpt2",  # GPT-2's Conv1D stores weights (in, out)
+                      revision=None if cfg.model_revision == "main" else cfg.model_revision)
+
+
+def validate(cfg: RunConfig, model_config: Any) -> None:
+    """LoRA options that cannot work, named before any process starts."""
+    m = cfg.model
+    if not m.lora_r:
+        if m.lora_target_modules:
+            raise HftkError("model.lora_target_modules", "is set but lora_r is 0, so no adapter would be trained.",
+                            "set --lora_r (e.g. 8) to train LoRA, or drop --lora_target_modules.")
+        if cfg.hub.hub_push_merged:
+            raise HftkError("hub.hub_push_merged", "merges a LoRA adapter, but lora_r is 0 (full fine-tuning).",
+                            "drop --hub_push_merged, or train LoRA with --lora_r.")
+        return
+    if m.lora_alpha <= 0:
+        raise HftkError("model.lora_alpha", f"must be > 0, got {m.lora_alpha}.", "use e.g. 16 (scale = alpha / r).")
+    if not 0 <= m.lora_dropout < 1:
+        raise HftkError("model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}.", "use e.g. 0.05 or 0.")
+    if cfg.strategy.strategy not in SUPPORTED_STRATEGIES:
+        raise HftkError("model.lora_r", f"LoRA is not supported with strategy {cfg.strategy.strategy} (its tensor / "
+                        "sequence sharding splits the layers LoRA wraps).",
+                        f"use one of {', '.join(SUPPORTED_STRATEGIES)} for LoRA, or set lora_r 0.")
+    check_targets(m, model_config)
+
+
+def check_targets(cfg: ModelConfig, model_config: Any) -> None:
+    """Every target names at least one adaptable layer of the model (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    targets = target_modules(cfg, model_config.model_type)
+    kinds = {name: type(module).__name__ for name, module in model.named_modules() if name}
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in kinds)]
+    if missing:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, kind in kinds.items() if kind in ADAPTABLE})
+        raise HftkError("model.lora_target_modules", f"{', '.join(missing)} match(es) no module of "
+                        f"{model_config.model_type}.", f"choose among its layers: {', '.join(leaves)}.")
+    wrong = sorted({f"{n.rsplit('.', 1)[-1]} ({kind})" for n, kind in kinds.items()
+                    if n.rsplit(".", 1)[-1] in targets and kind not in ADAPTABLE})
+    if wrong:
+        raise HftkError("model.lora_target_modules", f"LoRA cannot wrap {', '.join(wrong)}.",
+                        f"target linear layers only ({', '.join(ADAPTABLE)}).")
+
+
+# ---- applying ----
+
+def is_peft(model: Any) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def apply(model: Any, cfg: RunConfig, args: Any) -> Any:
+    """``get_peft_model`` before the strategy sees the model; a no-op without ``lora_r``.
+
+    ``args`` is the run's ``TrainingArguments`` (seed, main process). Gradient checkpointing needs
+    nothing here: transformers' ``gradient_checkpointing_enable`` makes the embeddings' output
+    require grad, so even reentrant checkpointing backpropagates into the adapters of frozen blocks.
+    """
+    if not cfg.model.lora_r:
+        return model
+    from peft import get_peft_model
+
+    with torch.random.fork_rng(devices=[]):  # every rank (and a one-process run) draws the same lora_A
+        torch.manual_seed(args.seed)
+        model = get_peft_model(model, lora_config(cfg.model, model.config.model_type))
+    _partition_like_base(model)
+    counts = parameter_counts(model)
+    if args.process_index == 0:
+        from hftk.monitor import append_jsonl
+
+        targets = ", ".join(sorted(model.peft_config[ADAPTER_NAME].target_modules))
+        print(f"hftk: LoRA r={cfg.model.lora_r} alpha={cfg.model.lora_alpha} on {targets}: "
+              f"{counts['lora_trainable_params']:,} trainable of {counts['lora_total_params']:,} parameters "
+              f"({100 * counts['lora_trainable_fraction']:.3f}%)", flush=True)
+        append_jsonl(cfg.output_dir / cfg.tracking.metrics_file, {"step": 0, **counts})
+    return model
+
+
+def _partition_like_base(model: Any) -> None:
+    """Under ZeRO-3 ``zero.Init`` partitioned the base at load; the adapters PEFT added since are
+    partitioned the same way now (DeepSpeed's own conversion), so no rank holds a whole weight."""
+    zero = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    fresh = [p for p in model.parameters() if not hasattr(p, "ds_id")]
+    if zero and fresh:
+        zero[0].convert_to_zero_parameters(param_list=fresh)
+
+
+def full_numel(param: torch.Tensor) -> int:
+    """Elements of the whole parameter (a ZeRO-3 partition reports its full count in ``ds_numel``)."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def parameter_counts(model: Any) -> dict[str, float]:
+    params = list(model.parameters())
+    trainable = sum(full_numel(p) for p in params if p.requires_grad)
+    total = sum(full_numel(p) for p in params)
+    return {"lora_trainable_params": trainable, "lora_total_params": total,
+            "lora_trainable_fraction": trainable / total}
+
+
+# ---- gathering and saving ----
+
+def adapter_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    """Full shape of every adapter weight by parameter name (LoRA without bias: what PEFT saves)."""
+    return {n: full_shape(p) for n, p in model.named_parameters() if "lora_" in n}
+
+
+def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """Every adapter weight whole, as a CPU tensor, under the model's parameter names.
+
+    A collective under FSDP2 (``full_tensor``) and ZeRO-3 (``GatheredParameters``): every rank
+    calls it, in the same parameter order; every rank gets the result.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    if any(hasattr(p, "ds_id") for _, p in named):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return {n: p.detach().to("cpu", copy=True) for n, p in named}
+    out = {}
+    for name, param in named:
+        tensor = param.detach()
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        out[name] = tensor.to("cpu", copy=True)
+    return out
+
+
+def gather_pieces(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Union of every rank's whole tensors (pipeline: each rank holds its stages' adapters)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return dict(local)
+    pieces: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, {k: v.to("cpu") for k, v in local.items()})
+    merged: dict[str, torch.Tensor] = {}
+    for piece in pieces:
+        merged.update(piece)
+    return merged
+
+
+def saved_name(name: str) -> str:
+    """PEFT's file key for a model parameter name: ``...lora_A.default.weight`` -> ``...lora_A.weight``."""
+    marker = f".{ADAPTER_NAME}."
+    if marker in name:
+        head, tail = name.rsplit(marker, 1)
+        return f"{head}.{tail}"
+    return name.removesuffix(f".{ADAPTER_NAME}")
+
+
+def write_adapter(folder: Path, config: Any, tensors: dict[str, torch.Tensor],
+                  shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's format; with ``shapes``
+    (parameter name -> full shape) the file is proven to hold every adapter tensor whole."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({saved_name(k): v.contiguous() for k, v in tensors.items()}, str(folder / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    config = copy.deepcopy(config)
+    config.inference_mode = True
+    config.save_pretrained(str(folder))
+    if shapes is not None:
+        check_adapter(folder, {saved_name(k): v for k, v in shapes.items()})
+
+
+def check_adapter(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
+    """Every expected adapter tensor is in the file with its full shape (headers only)."""
+    from safetensors import safe_open
+
+    if not (Path(folder) / ADAPTER_CONFIG).is_file():
+        raise HftkError("output", f"{folder} has no {ADAPTER_CONFIG}.", "rerun the save; check free disk space.")
+    with safe_open(str(Path(folder) / ADAPTER_WEIGHTS), framework="pt") as handle:
+        saved = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+    bad = {k: (list(shape), saved.get(k)) for k, shape in expected.items() if saved.get(k) != shape}
+    if bad or not expected:
+        raise HftkError("output", f"{folder}: the adapter lacks or truncates {len(bad)} of {len(expected)} LoRA "
+                        f"tensors, e.g. {next(iter(bad.items()), None)}.",
+                        "the adapters were not gathered before saving; report this with the strategy used.")
+
+
+def save_adapter(model: Any, folder: Path, is_main: bool) -> None:
+    """Collective: gather the adapter from any sharding; the main process writes and checks it."""
+    tensors = adapter_tensors(model)
+    if is_main:
+        write_adapter(folder, model.peft_config[ADAPTER_NAME], tensors, adapter_shapes(model))
+
+
+def save_final(trainer: Any, folder: Path) -> None:
+    """The final folder of a Trainer LoRA run under any strategy: adapter + tokenizer."""
+    import torch.distributed as dist
+
+    save_adapter(trainer.model, folder, trainer.args.should_save)
+    if trainer.args.should_save and trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(str(folder))
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def load_adapter(model: Any, folder: Path) -> None:
+    """Adapter weights from ``folder`` into a (possibly FSDP2-sharded) PeftModel; a collective under FSDP2."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    saved = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
+    names = adapter_shapes(model)
+    state = {name: saved[saved_name(name)] for name in names if saved_name(name) in saved}
+    missing = sorted(set(names) - set(state))
+    if missing:
+        raise HftkError("training.resume_from_checkpoint", f"{folder} lacks adapter tensors {missing[:3]}.",
+                        "resume from a complete checkpoint of the same LoRA configuration.")
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+# ---- export and merge ----
+
+def is_adapter_folder(path: Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file() and (Path(path) / ADAPTER_WEIGHTS).is_file()
+
+
+def base_model_of(folder: Path) -> str:
+    """The base model an adapter was trained on (PEFT records it in adapter_config.json)."""
+    base = json.loads((Path(folder) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base:
+        raise HftkError("CHECKPOINT", f"{folder}/{ADAPTER_CONFIG} names no base model.",
+                        "pass --base_model with the Hub id or folder the adapter was trained on.")
+    return base
+
+
+def merged_model(folder: Path, base: str | None = None) -> Any:
+    """The base model with the adapter of ``folder`` folded into its weights (``merge_and_unload``)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = base or base_model_of(folder)
+    revision = json.loads((Path(folder) / ADAPTER_CONFIG).read_text()).get("revision")
+    model = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype="auto")
+    return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+
+
+def export_adapter(checkpoint: Path, out: Path, merge: bool, base: str | None = None) -> str:
+    """Write ``out`` from a LoRA checkpoint: the adapter folder, or (``merge``) the merged full model.
+
+    Tokenizer files come along in both cases; returns the kind of folder written.
+    """
+    from transformers import AutoTokenizer
+
+    from hftk.export import check_complete, shapes_of
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    if merge:
+        model = merged_model(checkpoint, base)
+        model.save_pretrained(str(out))
+        check_complete(out, shapes_of(model))
+        kind = "lora-merged"
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            shutil.copy2(Path(checkpoint) / name, out / name)
+        kind = "lora-adapter"
+    tokenizer.save_pretrained(str(out))
+    return kind
