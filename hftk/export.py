@@ -208,7 +208,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--merge", action="store_true",
                         help="LoRA: merge the adapter into the base model (merge_and_unload) and write the full model")
     parser.add_argument("--base_model", default=None,
-                        help="LoRA with --merge: the base model's Hub id or folder (default: the one adapter_config.json names)")
+                        help="LoRA with --merge: the base model's Hub id or folder (default: adapter_config.json's)")
     args = parser.parse_args(argv)
     if args.base_model and not args.merge:
         raise HftkError("--base_model", "only matters with --merge.", "add --merge, or drop --base_model.")

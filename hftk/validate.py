@@ -15,6 +15,7 @@ import torch
 from hftk.comm.register import validate as check_compression
 from hftk.config import RunConfig
 from hftk.errors import HftkError
+from hftk.lora import validate as check_lora
 from hftk.resilience import check_restartable
 
 
@@ -113,3 +114,4 @@ def check_model(cfg: RunConfig, model_config: Any) -> None:
     if limit is not None and cfg.data.block_size > limit:
         raise HftkError("data.block_size", f"{cfg.data.block_size} exceeds the model's context length {limit}.",
                         f"set data.block_size to {limit} or less.")
+    check_lora(cfg, model_config)

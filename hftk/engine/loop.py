@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hftk import strategies
+from hftk import lora, strategies
 from hftk.checkpoint import announce_resume, atomic_save, resolve_resume, staged_folder, staging_root
 from hftk.engine.guard import check_world
 from hftk.engine.trainer import FINAL_DIR, build_training_arguments, load_data
@@ -77,6 +77,7 @@ class Run:
     exit_code: int | None = None  # set when preempted or nan_policy=stop: save, then exit with it
     stop_reason: str = ""
     nonfinite_steps: list[int] = field(default_factory=list)
+    adapter: tuple[Any, dict[str, tuple[int, ...]]] | None = None  # LoRA: (PEFT config, each adapter weight's shape)
 
     @property
     def rank(self) -> int:
@@ -104,13 +105,14 @@ def run_loop(prepared: PreparedRun) -> dict[str, float]:
     topo = pipeline.topology(cfg.strategy.pp_size, args.device)
 
     tokenizer, data = load_data(prepared, args)
-    model = load_model(cfg.model)
+    model = lora.apply(load_model(cfg.model), cfg, args)
     _enable_activation_checkpointing(model, args)
     decay_ids = _decay_parameter_ids(model)
     count_shifted = _loss_shifts_labels(model)
     token_flops = flops_per_token(model, cfg.data.block_size)
     rt = pipeline.build_runtime(model, cfg.strategy, topo, bf16=bool(args.bf16))
     model_config = model.config
+    adapter = (model.peft_config[lora.ADAPTER_NAME], lora.adapter_shapes(model)) if lora.is_peft(model) else None
     del model  # this rank keeps only its stages' modules
 
     optimizer = _make_optimizer(args, rt.params, decay_ids)
@@ -120,7 +122,7 @@ def run_loop(prepared: PreparedRun) -> dict[str, float]:
     run = _start_run(prepared, args, rt, model_config, tokenizer, optimizer, scheduler, train_loader,
                      _eval_loader(args, data.eval, topo) if data.eval is not None else None, max_steps, epochs,
                      token_flops)
-    run.count_shifted = count_shifted
+    run.count_shifted, run.adapter = count_shifted, adapter
     return _train_epochs(run, pipeline, steps_per_epoch, epochs)
 
 
@@ -508,6 +510,8 @@ def _run_record(run: Run, step: int, metrics: dict[str, float] | None) -> dict[s
 def _write_stage_files(run: Run, pipeline: Any, folder: Path, with_optimizer: bool) -> None:
     """This rank's part of a checkpoint (or of the final stages) inside ``folder``."""
     pipeline.save_state(run.rt, run.optimizer if with_optimizer else None, folder)
+    if run.adapter is not None:
+        _write_adapter(run, folder)
     if with_optimizer:
         torch.save(_rng_state(), folder / RNG_FILE.format(run.rank))
     if run.rank == 0:
@@ -558,11 +562,29 @@ def _load_rng(folder: Path) -> None:
         torch.cuda.random.set_rng_state_all(state["cuda"])
 
 
+def _write_adapter(run: Run, folder: Path) -> None:
+    """Collective: every stage's LoRA weights (replica 0's) gathered; rank 0 writes the complete adapter."""
+    config, shapes = run.adapter
+    mine = {n: p.detach() for n, p in run.rt.params if n in shapes} if run.rt.topo.dp_rank == 0 else {}
+    tensors = lora.gather_pieces(mine)
+    if run.rank == 0:
+        lora.write_adapter(folder, config, tensors, shapes)
+
+
 def _save_final(run: Run, pipeline: Any, metrics: dict[str, float]) -> None:
-    """``output_dir/final``: the stages written once more, consolidated by the export into one HF folder."""
+    """``output_dir/final``: the stages written once more, consolidated by the export into one HF folder
+    (with LoRA: the adapter and tokenizer, as under every other strategy)."""
     from hftk.export import export
 
     out = run.prepared.cfg.output_dir
+    if run.adapter is not None:
+        with staged_folder(out / FINAL_DIR, publisher=run.rank == 0, step=run.state.global_step) as final:
+            _write_adapter(run, final)
+            if run.rank == 0:
+                run.tokenizer.save_pretrained(final)
+                write_run_files(final, _run_record(run, run.state.global_step, metrics),
+                                run.prepared.cfg.training.get("hub_model_id"))
+        return
     stages = staging_root(out) / "final-stages"
     if run.rank == 0:
         shutil.rmtree(stages, ignore_errors=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hftk import strategies
+from hftk import lora, strategies
 from hftk.checkpoint import announce_resume, install_atomic_checkpoints, resolve_resume, staged_folder
 from hftk.comm.callback import CompressionCallback
 from hftk.comm.register import is_active as comm_active
@@ -125,7 +125,7 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     check_world(args.world_size)
 
     tokenizer, data = load_data(prepared, args)
-    model = strategy.prepare_model(load_model(cfg.model), cfg)
+    model = strategy.prepare_model(lora.apply(load_model(cfg.model), cfg, args), cfg)  # LoRA before any sharding
 
     # A strategy that owns its model/optimizer I/O (FSDP2 shards) supplies its own Trainer.
     make_trainer = strategy.trainer_factory(cfg) if hasattr(strategy, "trainer_factory") else Trainer
@@ -155,7 +155,10 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     if data.eval is not None and not any("eval_loss" in h and h.get("step") == step for h in trainer.state.log_history):
         metrics.update(trainer.evaluate())  # the Trainer did not evaluate the final weights itself
     with staged_folder(cfg.output_dir / FINAL_DIR, publisher=trainer.args.should_save) as final:
-        strategy.save_final(trainer, final)
+        if lora.is_peft(trainer.model):
+            lora.save_final(trainer, final)  # the adapter, gathered from whatever shards it
+        else:
+            strategy.save_final(trainer, final)
         if trainer.args.should_save:
             record = run_record(cfg, trainer.args, prepared.world_size, prepared.data_format, step, metrics)
             write_run_files(final, record, cfg.training.get("hub_model_id"))

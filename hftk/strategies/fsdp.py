@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from transformers import Trainer
 
+from hftk import lora
 from hftk.config import RunConfig
 from hftk.errors import HftkError
 from hftk.layout import decoder_block_class
@@ -237,6 +238,8 @@ def load_model_state(model: Any, checkpoint: Path) -> None:
         for alias, source in _tied_aliases(model).items():
             full.setdefault(alias, full[source])
         set_model_state_dict(model, full, options=_options(full_state_dict=True))
+    elif lora.is_peft(model) and lora.is_adapter_folder(checkpoint):
+        lora.load_adapter(model, checkpoint)  # fsdp_state_dict=full with LoRA: the frozen base is as loaded
     else:
         raise HftkError("training.resume_from_checkpoint", f"{checkpoint} holds no FSDP model state "
                         f"({SHARDED_MODEL_DIR}/ or {FULL_MODEL_FILE}).",
@@ -333,7 +336,11 @@ class FSDPTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Sharded weights inside a sharded checkpoint; a consolidated HF folder everywhere else."""
         out = Path(output_dir or self.args.output_dir)
-        if not self._saving_checkpoint:
+        if lora.is_peft(self.model):  # the adapter gathered from the shards (plus DCP shards to resume from)
+            lora.save_adapter(self.model, out, self.args.should_save)
+            if self._saving_checkpoint and self.state_dict_type == "sharded":
+                save_sharded_model(self, out)
+        elif not self._saving_checkpoint:
             save_full_model(self, out)
         elif self.state_dict_type == "sharded":
             save_sharded_model(self, out)

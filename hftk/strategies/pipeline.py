@@ -113,9 +113,6 @@ def _refuse_combinations(cfg: RunConfig) -> None:
         name = "strategy.grad_compression" if s.grad_compression != "none" else "strategy.hierarchical_allreduce"
         raise HftkError(name, "gradient compression hooks are DDP hooks; the pipeline engine all-reduces its own "
                         "per-stage gradients.", "leave it off with --strategy pipeline.")
-    if cfg.model.lora_r:
-        raise HftkError("model.lora_r", "LoRA is not supported with the pipeline engine.",
-                        "set lora_r 0, or use --strategy ddp/fsdp for LoRA.")
     if t.get("fp16"):
         raise HftkError("training.fp16", "the pipeline engine has no fp16 loss scaler.", "use --bf16 instead.")
     if t.get("push_to_hub"):
@@ -454,17 +451,24 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
         start = end
 
 
+def trainable(rt: PipelineRuntime) -> list[tuple[str, nn.Parameter]]:
+    """This rank's parameters that train (with LoRA only the adapters; the frozen base gets no gradient)."""
+    return [(n, p) for n, p in rt.params if p.requires_grad]
+
+
 def reduce_gradients(rt: PipelineRuntime) -> None:
     """Sum gradients over the replicas of each stage, then the tied embedding over its two stages."""
-    for _, p in rt.params:
+    params = trainable(rt)
+    for _, p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     if rt.topo.dp_size > 1:
-        _all_reduce_flat([p.grad for _, p in rt.params], rt.topo.dp_group)
+        _all_reduce_flat([p.grad for _, p in params], rt.topo.dp_group)
     if rt.tied_names is not None and rt.topo.tie_group is not None:
         name = rt.tied_names[0] if rt.holds_first else rt.tied_names[1]
         (tied,) = [p for n, p in rt.params if n == name]
-        dist.all_reduce(tied.grad, group=rt.topo.tie_group)
+        if tied.requires_grad:  # a frozen (LoRA) embedding has no gradient on either stage
+            dist.all_reduce(tied.grad, group=rt.topo.tie_group)
 
 
 def clip_gradients(rt: PipelineRuntime, max_norm: float | None) -> torch.Tensor:
@@ -472,13 +476,14 @@ def clip_gradients(rt: PipelineRuntime, max_norm: float | None) -> torch.Tensor:
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
     skip = rt.tied_names[1] if rt.tied_names is not None and rt.holds_last else None
-    grads = [p.grad for n, p in rt.params if n != skip]
+    params = trainable(rt)
+    grads = [p.grad for n, p in params if n != skip]
     local = get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=rt.topo.device)
     squared = local.float().pow(2).reshape(1)
     dist.all_reduce(squared, group=rt.topo.pp_group)
     total = squared.sqrt()[0]
     if max_norm is not None and max_norm > 0:
-        clip_grads_with_norm_([p for _, p in rt.params], max_norm, total)
+        clip_grads_with_norm_([p for _, p in params], max_norm, total)
     return total
 
 

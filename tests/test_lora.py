@@ -1,0 +1,276 @@
+"""LoRA through PEFT under every strategy on 2 gloo ranks: losses equal one process, every
+strategy saves the complete adapter (final folder and checkpoints) equal to one process's, the
+adapter and the merged export reload at the live eval loss, the Hub gets the adapter or the
+merged model with a card naming the base, the plan counts only the adapters, bad options fail.
+
+Launches, shared by the module fixture (tiny tied GPT-2, dropout off, r=8 on the default
+targets c_attn/c_proj/c_fc, 10 steps at global batch 8, clipping 1.0, checkpoints at 5 and 10,
+a final evaluation with eval batch 1 so two ranks average exactly what one process does):
+
+- ``single``: 1 process x 8, the reference;
+- ``ddp``: 2 x 4 with reentrant gradient checkpointing and ``find_unused_parameters`` (the field's
+  "mark a variable ready only once" combination); pushes the merged model (``--hub_push_merged``)
+  to a local Hub;
+- ``fsdp`` (2 x 4) and ``zero3`` (2 x 4, pushes the adapter) with gradient checkpointing;
+- ``zero2`` and ``zero3_offload`` (2 x 4) without it;
+- ``pipeline``: 2 stages x 8 (4 micro-batches of 2, 1F1B) with gradient checkpointing.
+
+AdamW runs with ``adam_epsilon`` 1e-4: with the default 1e-8, Adam's normalisation turns the
+last-bit differences of a 2-rank gradient sum (reduction order) into up to 4e-5 on the few
+adapter elements whose gradient is near zero (measured under DDP: 48 of 16,384 elements over 1e-6
+after 10 steps, losses still equal to 1e-6; with 1e-5 the worst strategy, pipeline, was at 7e-7).
+A larger epsilon keeps the update linear there, so the comparison at 1e-6 checks the gathering
+and saving, not rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.faults import TOKEN, hub_env
+from tests.helpers import TINY_ARGS, finetune, losses, metrics, tiny_eval_loss
+from tests.hub_server import HubServer
+
+STEPS = 10
+LORA = ["--lora_r", "8", "--learning_rate", "5e-3", "--adam_epsilon", "1e-4", "--max_steps", str(STEPS),
+        "--max_grad_norm", "1.0", "--save_strategy", "steps", "--save_steps", "5", "--per_device_eval_batch_size", "1"]
+GC = ["--gradient_checkpointing", "true"]
+MERGED_REPO, ADAPTER_REPO = "hftk-test/lora-merged", "hftk-test/lora-adapter"
+PUSH = ["--push_to_hub", "--hub_strategy", "end", "--hub_retry_backoff_s", "0.2"]
+RUNS = {  # name -> (processes, options besides LORA)
+    "ddp": (2, ["--per_device_train_batch_size", "4", *GC, "--gradient_checkpointing_kwargs", '{"use_reentrant": true}',
+                "--ddp_find_unused_parameters", "true", *PUSH, "--hub_model_id", MERGED_REPO, "--hub_push_merged"]),
+    "fsdp": (2, ["--strategy", "fsdp", "--per_device_train_batch_size", "4", *GC]),
+    "zero2": (2, ["--strategy", "zero2", "--per_device_train_batch_size", "4"]),
+    "zero3": (2, ["--strategy", "zero3", "--per_device_train_batch_size", "4", *GC, *PUSH,
+                  "--hub_model_id", ADAPTER_REPO]),
+    "zero3_offload": (2, ["--strategy", "zero3_offload", "--per_device_train_batch_size", "4"]),
+    "pipeline": (2, ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "4",
+                     "--per_device_train_batch_size", "8", *GC]),
+}
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    with HubServer(token=TOKEN) as hub:
+        finetune(1, [*LORA, "--per_device_train_batch_size", "8", "--output_dir", str(root / "single")])
+        logs = {name: finetune(nproc, [*LORA, *extra, "--output_dir", str(root / name)], timeout=600,
+                               env=hub_env(hub)).output
+                for name, (nproc, extra) in RUNS.items()}
+        yield root, logs, hub
+
+
+def adapter(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    assert all((folder / f).is_file() for f in ADAPTER_FILES), sorted(p.name for p in folder.iterdir())
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def expected_adapter_shapes() -> dict[str, tuple[int, ...]]:
+    """What PEFT itself saves for this LoRA config on the tiny GPT-2 (independent of hftk's gathering)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hftk.builtin import materialize_model
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(materialize_model("builtin:gpt2-tiny")))
+    config = LoraConfig(r=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True, task_type="CAUSAL_LM")
+    return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(get_peft_model(model, config)).items()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_losses_match_single_process(runs, name):
+    root, _, _ = runs
+    ref, got = losses(root / "single"), losses(root / name)
+    assert sorted(ref) == sorted(got) == list(range(1, STEPS + 1))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-4), (name, step)
+    assert ref[STEPS] < ref[1] - 0.05  # the adapters learn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_saved_adapter_is_complete_and_equals_single_process(runs, name):
+    """Final folder and both checkpoints: every LoRA tensor, full shape, values of one process's run."""
+    root, _, _ = runs
+    shapes = expected_adapter_shapes()
+    assert len(shapes) == 2 * 4 * 2  # A and B for c_attn, attn.c_proj, c_fc, mlp.c_proj in 2 blocks
+    for folder in ("final", f"checkpoint-{STEPS}", "checkpoint-5"):
+        mine, ref = adapter(root / name / folder), adapter(root / "single" / folder)
+        assert {k: tuple(v.shape) for k, v in mine.items()} == shapes, (name, folder)
+        assert max_diff(mine, ref) < 1e-6, (name, folder)
+    final = adapter(root / name / "final")
+    assert min(float(v.abs().max()) for k, v in final.items() if "lora_B" in k) > 1e-3  # trained (B starts at 0)
+    config = json.loads((root / name / "final" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["peft_type"] == "LORA" and config["inference_mode"] is True
+    assert Path(config["base_model_name_or_path"], "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["single", *RUNS])
+def test_trainable_parameter_count_is_logged(runs, name):
+    root, _, _ = runs
+    (record,) = [m for m in metrics(root / name) if "lora_trainable_params" in m]
+    trainable = sum(v.numel() for v in adapter(root / "single" / "final").values())
+    assert record["lora_trainable_params"] == trainable == 16_384
+    base = 263_936 - trainable  # tiny GPT-2: 247,552 parameters, tied embedding counted once
+    assert record["lora_total_params"] == base + trainable  # ZeRO-3 counts its partitions' full sizes
+
+
+@pytest.mark.slow
+def test_ddp_gradient_checkpointing_lora_trains(runs):
+    root, logs, _ = runs
+    assert "mark a variable ready only once" not in logs["ddp"]
+    training = json.loads((root / "ddp" / "final" / "hftk_run.json").read_text())["config"]["training"]
+    assert training["gradient_checkpointing"] is True and training["ddp_find_unused_parameters"] is True
+    assert json.loads(training["gradient_checkpointing_kwargs"]) == {"use_reentrant": True}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["zero3", "pipeline"])
+def test_adapter_and_merged_export_reload_at_the_live_eval_loss(runs, name, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hftk.export import main as export_main
+
+    root, _, _ = runs
+    live = [m["eval_loss"] for m in metrics(root / name) if "eval_loss" in m][-1]
+    final = root / name / "final"
+    base = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(final))
+    assert tiny_eval_loss(with_adapter, tmp_path) == pytest.approx(live, abs=1e-5)
+
+    merged = tmp_path / "merged"
+    assert export_main([str(root / name / f"checkpoint-{STEPS}"), str(merged), "--merge"]) == 0
+    assert (merged / "model.safetensors").is_file() and not (merged / "adapter_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    assert tiny_eval_loss(model, tmp_path) == pytest.approx(live, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_hub_gets_the_adapter_or_the_merged_model_with_a_card_naming_the_base(runs):
+    root, _, hub = runs
+    cards = {}
+    for repo, name in ((ADAPTER_REPO, "zero3"), (MERGED_REPO, "ddp")):
+        files = hub.state.files(repo)
+        card = files["README.md"].decode()
+        cards[repo] = yaml.safe_load(re.match(r"^---\n(.*?)\n---\n", card, re.S).group(1))
+        assert "Fine-tuned from `builtin:gpt2-tiny`" in card and "| lora_r | 8 |" in card, card
+        assert f"**{name}** over 2 process(es)" in card
+    adapter_files = hub.state.files(ADAPTER_REPO)
+    assert set(ADAPTER_FILES) <= set(adapter_files) and "model.safetensors" not in adapter_files
+    assert adapter_files["adapter_model.safetensors"] == (root / "zero3/final/adapter_model.safetensors").read_bytes()
+    assert cards[ADAPTER_REPO]["library_name"] == "peft"
+    merged_files = hub.state.files(MERGED_REPO)
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(merged_files)
+    assert not set(ADAPTER_FILES) & set(merged_files)
+    assert cards[MERGED_REPO]["library_name"] == "transformers"
+    assert "merged into the base weights" in merged_files["README.md"].decode()
+
+
+@pytest.mark.slow
+def test_memory_plan_counts_only_the_adapters(runs):
+    """The plan's trainable count, gradient and optimizer bytes are what the DDP ranks measured."""
+    from hftk import plan
+    from hftk.modeling import load_model_config
+    from hftk.config import ModelConfig
+
+    root, _, _ = runs
+    shape = plan.model_shape(load_model_config(ModelConfig(model_name_or_path="builtin:gpt2-tiny")), lora_r=8)
+    full = plan.model_shape(load_model_config(ModelConfig(model_name_or_path="builtin:gpt2-tiny")))
+    assert shape.trainable == 16_384 and full.trainable == full.params == shape.params - 16_384
+    inputs = plan.PlanInputs(world_size=2, device_memory_bytes=1 << 34, seq_len=64, micro_batch=4, device="cpu")
+    estimate = plan.estimate("ddp", shape, inputs)
+    (measured,) = [m["model_state"] for m in metrics(root / "ddp") if "model_state" in m]
+    for rank in measured:
+        assert rank["grads"] == estimate.grads == 4 * 16_384  # no gradient for the frozen base
+        assert 0 <= rank["optimizer"] - estimate.optimizer <= 16 * 8  # AdamW moments (+ one step counter per tensor)
+    assert estimate.optimizer < plan.estimate("ddp", full, inputs).optimizer / 10
+
+
+# ---- in-process: defaults per architecture and bad input (no process group) ----
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "llama", "mistral", "qwen2"])
+def test_default_targets_wrap_every_projection_of_the_family(model_type):
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hftk.config import ModelConfig
+    from hftk.lora import check_targets, lora_config
+
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, n_embd=32, intermediate_size=64,
+                                  num_hidden_layers=2, n_layer=2, num_attention_heads=4, n_head=4,
+                                  num_key_value_heads=2)
+    cfg = ModelConfig(lora_r=4)
+    check_targets(cfg, config)
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(config), lora_config(cfg, model_type))
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped == set(lora_config(cfg, model_type).target_modules)
+    per_block = sum(1 for n, m in model.named_modules() if hasattr(m, "lora_A") and ".0." in n)
+    assert per_block >= 4  # attention and MLP both adapted
+
+
+ERRORS = [
+    ("lora_with_tp", ["--model_name_or_path", "builtin:llama-tiny", "--strategy", "tp", "--tp_size", "2",
+                      "--lora_r", "8"], "model.lora_r", "zero3_offload, pipeline"),
+    ("lora_with_sp", ["--model_name_or_path", "builtin:llama-tiny", "--strategy", "sp", "--sp_size", "2",
+                      "--lora_r", "8"], "model.lora_r", "strategy sp"),
+    ("target_not_in_model", ["--lora_r", "8", "--lora_target_modules", "c_attn,q_proj"], "model.lora_target_modules",
+     "q_proj match(es) no module of gpt2"),
+    ("target_not_linear", ["--lora_r", "8", "--lora_target_modules", "ln_1"], "model.lora_target_modules",
+     "cannot wrap ln_1 (LayerNorm)"),
+    ("negative_rank", ["--lora_r", "-1"], "model.lora_r", "must be >= 0"),
+    ("zero_alpha", ["--lora_r", "8", "--lora_alpha", "0"], "model.lora_alpha", "must be > 0"),
+    ("dropout_one", ["--lora_r", "8", "--lora_dropout", "1.0"], "model.lora_dropout", "[0, 1)"),
+    ("targets_without_rank", ["--lora_target_modules", "c_attn"], "model.lora_target_modules", "lora_r is 0"),
+    ("merged_push_without_lora", ["--hub_push_merged"], "hub.hub_push_merged", "lora_r is 0"),
+]
+
+
+@pytest.mark.parametrize("case_id,args,field,words", ERRORS, ids=[c[0] for c in ERRORS])
+def test_bad_lora_options_are_one_clear_line(case_id, args, field, words, tmp_path, capsys):
+    import torch.distributed as dist
+
+    from hftk.run import main
+
+    out = tmp_path / "out"
+    assert main([*TINY_ARGS, "--output_dir", str(out), *args]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"hftk: error: {field}:") and words in lines[0], lines
+    assert "Fix:" in lines[0] and not dist.is_initialized() and not out.exists()
+
+
+def test_merge_of_a_full_model_checkpoint_is_refused(tmp_path):
+    from hftk.errors import HftkError
+    from hftk.export import export
+
+    (tmp_path / "checkpoint-1").mkdir()
+    with pytest.raises(HftkError, match=r"--merge: .* holds no LoRA adapter"):
+        export(tmp_path / "checkpoint-1", tmp_path / "out", merge=True)
+
+
+def test_base_model_without_merge_is_one_clear_line(tmp_path, capsys):
+    from hftk.cli import main
+
+    assert main(["export", str(tmp_path), str(tmp_path / "out"), "--base_model", "gpt2"]) == 2
+    err = capsys.readouterr().err
+    assert err == "hftk: error: --base_model: only matters with --merge. Fix: add --merge, or drop --base_model.\n"
