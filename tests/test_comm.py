@@ -7,6 +7,7 @@ import json
 import math
 import shutil
 import sys
+import time
 
 import pytest
 import torch
@@ -234,8 +235,10 @@ def test_comm_time_counts_overlapping_collectives_once():
     stats.begin_hook(0, 400)
     interval = stats.issued("all_reduce", 200, 2)
     stats.completed(interval)
+    stats.waited(time.perf_counter() - 0.5)  # a hook blocked half a second on a collective
     step = stats.end_step()
     assert (step.bytes_sent, step.fp32_allreduce_bytes, step.collectives, step.buckets) == (200, 400, 1, 1)
+    assert step.wait_time_s == pytest.approx(0.5, abs=0.05) and step.comm_time_s >= step.wait_time_s
     stats._intervals = [[10.0, 12.0], [11.0, 13.0]]  # two overlapping collectives, backward's compute ended at 11.5
     assert stats.in_flight_since(11.5) == pytest.approx(1.5)
     stats._intervals = []

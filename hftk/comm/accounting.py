@@ -108,9 +108,12 @@ class CommStats:
         with self._lock:
             interval[1] = time.perf_counter()
 
-    def waited(self, seconds: float) -> None:
+    def waited(self, started: float) -> None:
+        """A hook blocked on a collective from ``started`` until now (this span counts as in flight too)."""
+        now = time.perf_counter()
         with self._lock:
-            self.current.wait_time_s += seconds
+            self.current.wait_time_s += now - started
+            self._intervals.append([started, now])
 
     def in_flight_since(self, since: float) -> float:
         """How long after ``since`` a collective of the current step was in flight.

@@ -7,7 +7,7 @@ returns the *average*. Rules every hook here keeps, because breaking them hangs 
 - every collective is issued from the hook itself, never from a future's callback, so all
   ranks issue them in the same order whatever the bucket count;
 - a bucket's collectives have the same sizes on every rank (top-k's k depends only on the
-  bucket size);
+  sizes of the bucket's parameters);
 - the result is bitwise identical on every rank, so replicas never drift.
 
 Per-parameter state (error feedback, PowerSGD's Q) is keyed by parameter name, not bucket

@@ -68,7 +68,7 @@ def powersgd_average(state: HookState, bucket: Any) -> torch.futures.Future:
     first = torch.cat([*(u.flatten() for u in uncompressed), *(p.flatten() for p in ps)])
     started = time.perf_counter()
     first = state.comm.all_reduce(first).wait()  # P must be summed before Q can be computed
-    state.stats.waited(time.perf_counter() - started)
+    state.stats.waited(started)
 
     offset = 0
     for where, u in zip(vectors, uncompressed):
