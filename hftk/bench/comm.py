@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from hftk.bench.charts import figure, fmt_spread, save
-from hftk.bench.launch import DEFAULT_MODEL, Machine, free_port, threads_per_rank
+from hftk.bench.launch import DEFAULT_MODEL, Machine, threads_per_rank, torchrun_module
 from hftk.bench.stats import spread
 
 HOOKS = ("none", "fp16", "bf16", "powersgd", "topk")
@@ -79,26 +75,11 @@ def run_comm_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, st
 
 def launch_worker(nproc: int, plan: dict[str, Any], work_dir: Path, timeout: float) -> tuple[list[dict[str, Any]], float]:
     """torchrun ``hftk.bench.comm_worker`` on loopback under a hard timeout; its results and wall time."""
-    plan_path, out_path, log_path = work_dir / "plan.json", work_dir / "raw.json", work_dir / "log.txt"
+    plan_path, out_path = work_dir / "plan.json", work_dir / "raw.json"
     plan_path.write_text(json.dumps(plan, indent=1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "hftk.bench.comm_worker",
-           "--plan", str(plan_path), "--out", str(out_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(nproc)), "TOKENIZERS_PARALLELISM": "false"}
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = None
-    if code != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
-        why = f"timed out after {timeout:.0f}s" if code is None else f"failed with exit code {code}"
-        raise RuntimeError(f"comm bench launch {why} ({work_dir}):\n{tail}")
-    return json.loads(out_path.read_text()), time.perf_counter() - start
+    wall = torchrun_module(nproc, "hftk.bench.comm_worker", ["--plan", str(plan_path), "--out", str(out_path)],
+                           work_dir, timeout, threads_per_rank(nproc))
+    return json.loads(out_path.read_text()), wall
 
 
 def summarise(run: dict[str, Any], first_timed: int) -> dict[str, Any]:
