@@ -235,11 +235,12 @@ def test_memory_plan_predicts_the_counted_model_state(llama_tp, tp_fsdp, sp_run)
     """`hftk plan --tp_size / --sp_size` rows (from the config alone) equal what each rank counted."""
     from hftk.builtin import builtin_model_config
     from hftk.plan import PlanInputs, model_shape
-    from hftk.strategies import sequence, tensor
+    from hftk.strategies import sequence, tensor, tp_plans
 
-    shape = model_shape(builtin_model_config("builtin:llama-tiny"))
-    for run, world, estimate in [(llama_tp, 2, lambda i: tensor.estimate_memory(shape, i, 2)),
-                                 (tp_fsdp, 4, lambda i: tensor.estimate_memory(shape, i, 2)),
+    config = builtin_model_config("builtin:llama-tiny")
+    shape, replicated = model_shape(config), tp_plans.replicated_params(config)
+    for run, world, estimate in [(llama_tp, 2, lambda i: tensor.estimate_memory(shape, i, 2, replicated)),
+                                 (tp_fsdp, 4, lambda i: tensor.estimate_memory(shape, i, 2, replicated)),
                                  (sp_run, 2, lambda i: sequence.estimate_memory(shape, i, 2))]:
         plan = estimate(PlanInputs(world_size=world, device_memory_bytes=2**34, seq_len=64, micro_batch=4, device="cpu"))
         for rank in next(m["memory"] for m in metrics(run) if "memory" in m):
@@ -432,3 +433,13 @@ def test_hftk_plan_shows_tp_and_sp_rows(capsys):
     assert {"tp2 x fsdp2", "sp4", "ddp"} <= rows
     with pytest.raises(HftkError, match="--tp_size"):
         plan_command([*base, "--tp_size", "3"])
+
+
+def test_replicated_parameters_are_the_ones_no_plan_splits():
+    from hftk.builtin import builtin_model_config
+    from hftk.strategies.tp_plans import replicated_params
+
+    # GPT-2 tiny (2 blocks, width 64, 256 positions): position table, 5 LayerNorms, 4 row-parallel biases
+    assert replicated_params(builtin_model_config("builtin:gpt2-tiny")) == 256 * 64 + 5 * 2 * 64 + 4 * 64
+    # Llama tiny (4 blocks, width 64): 9 RMSNorm weights; no biases
+    assert replicated_params(builtin_model_config("builtin:llama-tiny")) == 9 * 64

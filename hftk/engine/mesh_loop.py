@@ -347,6 +347,25 @@ def main_process_first(desc: str = "") -> Any:
         dist.barrier()
 
 
+@torch.no_grad()
+def own_storage(model: torch.nn.Module) -> None:
+    """Give every unsharded parameter and buffer memory of its own.
+
+    ``from_pretrained`` maps the safetensors file into memory: one tensor left on the mapping (a
+    replicated norm, GPT-2's position table) keeps the whole file mapped, and every page the
+    sharding read stays resident (measured: 325 MiB of a 333 MiB GPT-2 on each TP=4 rank).
+    """
+    seen: set[int] = set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen and not hasattr(param, "device_mesh"):
+                seen.add(id(param))
+                param.data = param.data.clone()
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and not hasattr(buffer, "device_mesh"):
+                module._buffers[name] = buffer.clone()
+
+
 def loop_args(cfg: Any, max_steps: int) -> SimpleNamespace:
     """The TrainingArguments values this run uses, without constructing one (it would start accelerate's state)."""
     from transformers import TrainingArguments
@@ -372,6 +391,7 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     set_seed(seed)
     tokenizer, data = load_data(prepared, SimpleNamespace(seed=seed, main_process_first=main_process_first))
     layout = strategies.get(cfg.strategy.strategy).layout(load_model(cfg.model).to(device), cfg, kind)
+    own_storage(layout.model)
     optimizer = build_optimizer(layout.model, t)
 
     micro = t["per_device_train_batch_size"]

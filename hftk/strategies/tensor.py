@@ -118,11 +118,12 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     )
 
 
-def estimate_memory(shape: Any, inputs: Any, tp: int) -> Any:
+def estimate_memory(shape: Any, inputs: Any, tp: int, replicated: int) -> Any:
     """Per-rank bytes of ``tp`` (an :class:`hftk.plan.StrategyPlan`): TP over ``tp``, FSDP2 over the rest.
 
-    The small parameters (norms, biases: ``shape.persistent``) stay whole under TP; everything else
-    is split ``tp`` ways, then FSDP2 splits what a rank holds over ``world_size / tp``. Activations
+    ``replicated`` parameters (:func:`hftk.strategies.tp_plans.replicated_params`) stay whole under
+    TP; everything else is split ``tp`` ways, then FSDP2 splits what a rank holds over
+    ``world_size / tp``. Activations
     follow Korthikanti et al. for TP without sequence-parallel norms, per layer
     ``b s h (10 + 24 / t + 5 a s / (h t))``; the logits are vocabulary-sharded.
     """
@@ -130,7 +131,7 @@ def estimate_memory(shape: Any, inputs: Any, tp: int) -> Any:
 
     data = max(inputs.world_size // tp, 1)
     w = DTYPE_BYTES[inputs.dtype]
-    per_rank = -(-((shape.params - shape.persistent) // tp + shape.persistent) // data)
+    per_rank = -(-((shape.params - replicated) // tp + replicated) // data)
     transient = 0
     if data > 1:  # FSDP2: the gathered block (current + prefetched), its unsharded gradient, the root
         block = shape.largest_block // tp
@@ -145,20 +146,20 @@ def estimate_memory(shape: Any, inputs: Any, tp: int) -> Any:
                         2 * per_rank * w + counters, transient, activations, RUNTIME_BYTES[inputs.device], 0)
 
 
-def plan_rows(shape: Any, inputs: Any, tp_size: int, sp_size: int) -> list[Any]:
+def plan_rows(model_config: Any, shape: Any, inputs: Any, tp_size: int, sp_size: int) -> list[Any]:
     """``hftk plan`` rows for tensor / sequence parallel at the asked degrees (shown; ``auto`` never picks them).
 
     Which layout suits a model is a question of interconnect and sequence length, not only of
     memory, so these rows inform and the pick stays among the data-parallel strategies.
     """
     from hftk.plan import HEADROOM
-    from hftk.strategies import sequence
+    from hftk.strategies import sequence, tp_plans
 
     for name, degree in (("--tp_size", tp_size), ("--sp_size", sp_size)):
         if inputs.world_size % degree:
             raise HftkError(name, f"{degree} does not divide the world size {inputs.world_size}.",
                             f"choose a {name} that divides --world_size.")
-    rows = [estimate_memory(shape, inputs, tp_size)] if tp_size > 1 else []
+    rows = [estimate_memory(shape, inputs, tp_size, tp_plans.replicated_params(model_config))] if tp_size > 1 else []
     rows += [sequence.estimate_memory(shape, inputs, sp_size)] if sp_size > 1 else []
     for row in rows:
         row.fits = row.device_total <= inputs.device_memory_bytes * (1 - HEADROOM)

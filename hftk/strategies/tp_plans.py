@@ -190,3 +190,30 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
 def _reshard_grad(param: Any) -> None:
     if param.grad is not None and param.grad.placements != param.placements:
         param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+
+
+def replicated_params(model_config: Any) -> int:
+    """Parameters every tensor-parallel rank keeps whole (from the config; built on the meta device).
+
+    Everything outside the plan's modules (norms, GPT-2's position table) and the biases of
+    row-parallel layers; column-parallel layers, the input embedding and the LM head are split.
+    """
+    from fnmatch import fnmatch
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    if model_config.model_type == "gpt2":
+        gpt2_to_linear(model)
+    plan = block_plan(model_config)
+    split = {id(model.get_input_embeddings().weight)}
+    if model.get_output_embeddings() is not None:
+        split.add(id(model.get_output_embeddings().weight))
+    for name, module in model.named_modules():
+        style = next((s for pattern, s in plan.items() if fnmatch(name, pattern)), None)
+        if style == "colwise":
+            split.update(id(p) for p in module.parameters(recurse=False))
+        elif style in ("rowwise", "embedding_rowwise"):
+            split.add(id(module.weight))
+    return sum(p.numel() for p in model.parameters() if id(p) not in split)
