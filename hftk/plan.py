@@ -380,7 +380,7 @@ def plan_command(argv: list[str]) -> int:
     chosen = pick(plans)
     from hftk.strategies.tensor import plan_rows
 
-    plans += plan_rows(shape, inputs, args.tp_size, args.sp_size)
+    plans += plan_rows(model_config, shape, inputs, args.tp_size, args.sp_size)
     if args.json:
         print(json.dumps({"shape": dataclasses.asdict(shape), "inputs": dataclasses.asdict(inputs),
                           "plans": [p.to_dict() for p in plans], "pick": chosen.strategy if chosen else None}))
