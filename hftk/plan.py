@@ -1,26 +1,26 @@
 """Per-rank memory of every strategy, from the model's config alone, and the pick for ``auto``.
 
 The model is built on the meta device (shapes, no storage, no weight download), so a plan for
-a 70B Hub model costs a config download. Each strategy's bytes follow what it really keeps on
-one rank (mixed-precision training shown for DeepSpeed as DeepSpeed does it):
+a 70B Hub model costs a config download. Per rank, at the optimizer step (what
+:mod:`hftk.bench.memory_worker` counts; the table below is fp32, AdamW):
 
-=============  ===========  ===========  ==========================================================
-strategy       parameters   gradients    optimizer state (AdamW: two states per trainable weight)
-=============  ===========  ===========  ==========================================================
-ddp            w P          w T          2 w T
-zero1          d P          d T          (4 + 8) T / N   (DeepSpeed's fp32 master partition + states)
-zero2          d P          d T / N      (4 + 8) T / N
-fsdp           w P / N      w T / N      2 w T / N
-zero3          d P / N      g T / N      (4 + 8) T / N   (+ whole copies of "persistent" small params)
-zero3_offload  as zero3, in host memory; only the working set stays on the device
-=============  ===========  ===========  ==========================================================
+=============  ==========  ==================================  =================================
+strategy       parameters  gradients                           optimizer state
+=============  ==========  ==================================  =================================
+ddp            w P         w T                                 2 w T (two moments)
+zero1, zero2   d P         4 T/N (fp32 copy of the partition)  12 T/N (fp32 master + moments)
+fsdp           w P/N       w T/N                               2 w T/N
+zero3          d P/N       d T/N + bucket + 4 sub-group        8 T/N (+ 4 T/N master under bf16)
+zero3_offload  d P/N       d T/N + bucket + 4 T/N              12 T/N, in host memory on a GPU
+=============  ==========  ==================================  =================================
 
-P parameters, T trainable (LoRA: the adapters), N ranks, w bytes of the loaded dtype, d the
-dtype DeepSpeed trains in (2 under bf16/fp16, else w), g DeepSpeed's gradient-accumulation dtype.
-On top come a transient term (DDP's gradient buckets, FSDP's gathered blocks, DeepSpeed's
-buckets and optimizer-step copies), activations (Korthikanti et al. 2022, per layer
-``b s h (34 + 5 a s / h)`` bytes at 16 bit, plus fp32 logits), and the runtime's own footprint
-(torch, CUDA context or the CPU process, process group). ``auto`` takes the least sharding that
+P parameters, T trainable (LoRA: the adapters only), N ranks, w bytes of the loaded dtype, d the
+dtype DeepSpeed trains in (2 under bf16/fp16, else w). The peak adds ``transient`` (what a rank
+holds on top at its worst moment: DDP's gradient buckets, FSDP's gathered blocks, ZeRO-1's whole
+gradients until backward ends, ZeRO-2's partition before it becomes fp32, ZeRO-3's gathered
+parameters), activations (Korthikanti et al. 2022: ``b s h (34 + 5 a s / h)`` bytes per layer at
+16 bit, plus fp32 logits) and the runtime's own footprint (torch and the process group; the CUDA
+context on a GPU), measured on this project's machines. ``auto`` takes the least sharding that
 fits the per-rank budget with :data:`HEADROOM` to spare.
 """
 
@@ -195,8 +195,10 @@ def estimate(strategy: str, shape: ModelShape, inputs: PlanInputs) -> StrategyPl
     bucket = shape.hidden**2 * d  # reduce_bucket_size: h^2 elements
     runtime += DEEPSPEED_RUNTIME_BYTES[inputs.device]
     if strategy in ("zero1", "zero2"):
-        held_in_backward = d * t if strategy == "zero1" else d * part + bucket  # before the step flattens them
-        return StrategyPlan(strategy, d * p, 4 * part, 12 * part, held_in_backward, activations, runtime, 0)
+        # ZeRO-1 keeps whole gradients until backward ends; ZeRO-2 its reduced partition (+ one bucket)
+        # until the step flattens it into the fp32 copy counted in grads.
+        extra = d * t - 4 * part if strategy == "zero1" else d * part + bucket
+        return StrategyPlan(strategy, d * p, 4 * part, 12 * part, max(extra, 0), activations, runtime, 0)
     offload = strategy == "zero3_offload"
     step_grad = 4 * (part if offload else min(part, SUB_GROUP_SIZE))
     master = 4 * part if (offload or d != 4) else 0

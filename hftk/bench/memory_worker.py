@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps({"strategy": prepared.cfg.strategy.strategy, "world_size": len(ranks),
                                    "device": "gpu" if trainer.args.device.type == "cuda" else "cpu",
                                    "ranks": ranks}, indent=1))
+    if dist.is_initialized():  # leave together: a rank tearing down gloo while its peer still writes aborts
+        dist.barrier()
     trainer.accelerator.end_training()
     return 0
 

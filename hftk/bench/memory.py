@@ -1,0 +1,180 @@
+"""``hftk bench memory``: what each strategy really holds per rank, side by side in one run, and
+how close the memory plan (:mod:`hftk.plan`) came.
+
+Every strategy trains the same model for a few steps through hftk's own engine
+(:mod:`hftk.bench.memory_worker`), one launch after another, with glibc told to hand freed memory
+back (``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``): with its defaults glibc keeps
+0.9-1.2 GiB of freed heap resident and RSS hides what sharding saves (field notes). Per rank:
+
+- peak: the training phase's peak, VmHWM reset at train begin on CPU (the allocator's peak on
+  GPU); loading and imports come before it and are reported as ``lifetime_peak_mib``;
+- counted model state: bytes of parameters, gradients and optimizer state at the optimizer step;
+- the plan's prediction of both for the same model, batch and world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hftk.bench.charts import figure, save
+from hftk.bench.launch import BENCH_TRAIN_ARGS, MALLOC_ENV, torchrun_module, threads_per_rank
+from hftk.plan import MIB, PLAN_STRATEGIES, StrategyPlan
+
+DEFAULT_MODEL = "builtin:gpt2-90m"
+SHARDED_TARGET = 0.65  # fsdp and zero3 peak at most this fraction of ddp's (issue 3)
+PLAN_TARGET = 0.25  # the plan's peak within this fraction of the measured one
+# Rows that are a layout of strategy tp (hftk's mesh loop): the hftk train options of each.
+MESH_ROWS = {
+    "tp": lambda nproc: ["--strategy", "tp", "--tp_size", str(nproc)],
+    "tp_fsdp": lambda nproc: ["--strategy", "tp", "--tp_size", "2", "--dp_shard_size", "-1"],
+}
+
+OPTION_HELP = {
+    "nproc": "processes (ranks) of every run",
+    "model": "model to train (hftk train --model_name_or_path)",
+    "block_size": "tokens per sequence",
+    "micro_batch": "sequences per rank per step",
+    "steps": "optimizer steps per run (the second is counted)",
+    "strategies": "comma-separated strategies, run in this order (also tp: TP over all ranks; tp_fsdp: TP=2 x "
+                  "FSDP2 over the rest, 4 ranks or more)",
+    "timeout": "seconds before a launch is killed",
+}
+
+
+def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, block_size: int = 64,
+                     micro_batch: int = 2, steps: int = 3, strategies: tuple[str, ...] = PLAN_STRATEGIES,
+                     train_args: list[str] | None = None, timeout: float = 900) -> dict[str, Any]:
+    """Run every strategy once at ``nproc`` ranks; write ``memory.md``, ``memory.png`` and ``memory.json``."""
+    out_dir = Path(out_dir)
+    argv = [*BENCH_TRAIN_ARGS, "--model_name_or_path", model, "--block_size", str(block_size),
+            "--per_device_train_batch_size", str(micro_batch), "--max_steps", str(steps),
+            "--comm_profile_steps", "0", *(train_args or [])]  # the profiler's own memory would count
+    predictions = predict(argv, nproc, strategies)
+    runs: dict[str, Any] = {}
+    load_before = list(os.getloadavg())
+    for strategy in strategies:
+        work = out_dir / strategy
+        record = work / "memory.json"
+        wall = torchrun_module(nproc, "hftk.bench.memory_worker",
+                               [*argv, *strategy_args(strategy, nproc), "--output_dir", str(work / "run"),
+                                "--memory_out", str(record)],
+                               work, timeout, threads_per_rank(nproc), env=MALLOC_ENV)
+        runs[strategy] = summarise(json.loads(record.read_text()), predictions[strategy], wall)
+    result: dict[str, Any] = {
+        "model": model, "nproc": nproc, "block_size": block_size, "micro_batch": micro_batch, "steps": steps,
+        "malloc_env": MALLOC_ENV, "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
+        "strategies": runs,
+    }
+    if "ddp" in runs:
+        ddp = runs["ddp"]["peak_mib"]
+        for run in runs.values():
+            run["peak_vs_ddp"] = run["peak_mib"] / ddp
+        result["targets"] = {s: runs[s]["peak_vs_ddp"] <= SHARDED_TARGET for s in ("fsdp", "zero3") if s in runs}
+    result["plan_within_target"] = {s: abs(r["plan_peak_error"]) <= PLAN_TARGET for s, r in runs.items()}
+    result["table"] = table(result)
+    result["charts"] = [chart(result, out_dir / "memory.png")]
+    (out_dir / "memory.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "memory.md").write_text(markdown(result))
+    return result
+
+
+def predict(argv: list[str], nproc: int, strategies: tuple[str, ...]) -> dict[str, StrategyPlan]:
+    """The plan for exactly these runs: same config (dtype, LoRA, batch, ...), world size ``nproc``."""
+    from hftk.config import load_config
+    from hftk.modeling import load_model_config
+    from hftk.plan import estimate, inputs_from_config, model_shape
+
+    cfg = load_config(argv)
+    model_config = load_model_config(cfg.model)
+    shape = model_shape(model_config, cfg.model.lora_r, cfg.model.lora_target_modules)
+    inputs = inputs_from_config(cfg, nproc, budget=0)
+    return {s: estimate_mesh(s, model_config, shape, inputs) if s in MESH_ROWS else estimate(s, shape, inputs)
+            for s in strategies}
+
+
+def strategy_args(name: str, nproc: int) -> list[str]:
+    return MESH_ROWS[name](nproc) if name in MESH_ROWS else ["--strategy", name]
+
+
+def estimate_mesh(name: str, model_config: Any, shape: Any, inputs: Any) -> StrategyPlan:
+    from hftk.strategies.tensor import estimate_memory
+    from hftk.strategies.tp_plans import replicated_params
+
+    tp = inputs.world_size if name == "tp" else 2
+    return estimate_memory(shape, inputs, tp, replicated_params(model_config))
+
+
+def check_options(strategies: tuple[str, ...] = PLAN_STRATEGIES, nproc: int = 2, **_: Any) -> None:
+    """Bad input fails before any launch: unknown strategies, a TP x FSDP row without room for both."""
+    from hftk import strategies as known
+    from hftk.errors import HftkError
+
+    for name in strategies:
+        if name not in MESH_ROWS:
+            known.get(name)
+    if "tp_fsdp" in strategies and (nproc < 4 or nproc % 2):
+        raise HftkError("--nproc", f"the tp_fsdp row needs an even number of ranks, 4 or more (got {nproc}).",
+                        "pass --nproc 4, or leave tp_fsdp out.")
+
+
+def summarise(record: dict[str, Any], plan: StrategyPlan, wall_s: float) -> dict[str, Any]:
+    """The worst rank's figures (what has to fit), the plan's, and their difference."""
+    ranks = record["ranks"]
+    peak = max(r["peak"] for r in ranks)
+    state = max(r["total"] for r in ranks)
+    return {
+        "world_size": record["world_size"], "wall_s": wall_s,
+        "peak_mib": peak / MIB, "peak_per_rank_mib": [r["peak"] / MIB for r in ranks],
+        "lifetime_peak_mib": max(r["lifetime_peak"] for r in ranks) / MIB,
+        "model_state_mib": state / MIB,
+        "counted": {k: max(r[k] for r in ranks) / MIB for k in ("params", "grads", "optimizer")},
+        "plan_model_state_mib": plan.model_state / MIB, "plan_peak_mib": plan.device_total / MIB,
+        "plan_model_state_error": plan.model_state / state - 1, "plan_peak_error": plan.device_total / peak - 1,
+    }
+
+
+def table(result: dict[str, Any]) -> dict[str, Any]:
+    runs = result["strategies"]
+    columns = ["strategy", "peak MiB (max rank)", "x ddp", "model state MiB", "params / grads / optim MiB",
+               "plan model state MiB", "plan peak MiB", "plan peak error"]
+    rows = []
+    for name, r in runs.items():
+        c = r["counted"]
+        rows.append([name, f"{r['peak_mib']:.0f}", f"{r['peak_vs_ddp']:.3f}" if "peak_vs_ddp" in r else "-",
+                     f"{r['model_state_mib']:.0f}", f"{c['params']:.0f} / {c['grads']:.0f} / {c['optimizer']:.0f}",
+                     f"{r['plan_model_state_mib']:.0f}", f"{r['plan_peak_mib']:.0f}", f"{r['plan_peak_error']:+.0%}"])
+    title = (f"per-rank memory, {result['model']}, {result['nproc']} ranks, micro-batch {result['micro_batch']} x "
+             f"{result['block_size']} tokens, training-phase peak (malloc tuned)")
+    return {"title": title, "columns": columns, "rows": rows}
+
+
+def chart(result: dict[str, Any], path: Path) -> str:
+    runs = result["strategies"]
+    names = list(runs)
+    fig, (ax,) = figure(1, f"per-rank memory at {result['nproc']} ranks ({result['model']})")
+    fig.set_size_inches(7.5, 3.6)
+    xs = range(len(names))
+    series = [("measured peak", "peak_mib"), ("plan peak", "plan_peak_mib"), ("counted model state", "model_state_mib")]
+    width = 0.8 / len(series)
+    for i, (label, key) in enumerate(series):
+        ax.bar([x + (i - 1) * width for x in xs], [runs[n][key] for n in names], width, label=label)
+    if "ddp" in runs:
+        ax.axhline(SHARDED_TARGET * runs["ddp"]["peak_mib"], color="gray", linestyle="--", linewidth=1,
+                   label=f"{SHARDED_TARGET} x ddp peak")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("MiB per rank")
+    ax.legend(fontsize=7)
+    return save(fig, path)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    t = result["table"]
+    lines = [f"**{t['title']}**", "", "| " + " | ".join(t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
+    lines += ["| " + " | ".join(row) + " |" for row in t["rows"]]
+    load = ", ".join(f"{v:.1f}" for v in result["loadavg_before"])
+    lines += ["", f"Load average (1, 5, 15 min) before the runs: {load}. Environment: "
+              + " ".join(f"{k}={v}" for k, v in result["malloc_env"].items()) + ".", "", "![memory](memory.png)", ""]
+    return "\n".join(lines)
