@@ -26,7 +26,7 @@ SHARED = ("model", "block_size", "nproc", "timeout")
 # `hftk bench all` on its defaults must finish in < 15 min on the 2-core CPU machine; these
 # override single-bench defaults where the full versions would not fit.
 ALL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "overhead": {"repeats": 3},
+    "overhead": {"repeats": 3, "steps": 12},
     "batch": {"max_micro_batch": 32, "global_batch": 32},
 }
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from hftk.bench.charts import figure, fmt_spread, save
 from hftk.bench.launch import BENCH_TRAIN_ARGS, DEFAULT_MODEL, run_workers, threads_per_rank
-from hftk.bench.stats import median_of, spread, timed_steps
+from hftk.bench.stats import last_logged_loss, median_of, spread, timed_steps
 
 VARIANTS = ("hftk", "hand")
 MODES = {"hftk": "trainer", "hand": "hand"}
@@ -59,7 +59,7 @@ def run_overhead_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL
             step_time = median_of(timed, "wall_s")
             runs.append({"variant": variant, "repeat": rep, "step_time_s": step_time,
                          "cpu_time_s": median_of(timed, "cpu_s"), "samples_per_s": nproc * micro_batch / step_time,
-                         "final_loss": launch.ranks[0]["steps"][-1]["loss"],
+                         "final_loss": last_logged_loss(launch.ranks),
                          "loadavg_before": launch.loadavg_before, "loadavg_after": launch.loadavg_after})
     pick = {(r["variant"], r["repeat"]): r for r in runs}
     result: dict[str, Any] = {

@@ -16,7 +16,7 @@ import torch
 
 from hftk.bench.charts import errorbar, figure, fmt_spread, save
 from hftk.bench.launch import BENCH_TRAIN_ARGS, DEFAULT_MODEL, max_processes, run_workers, threads_per_rank
-from hftk.bench.stats import median_of, spread, timed_steps
+from hftk.bench.stats import last_logged_loss, median_of, spread, timed_steps
 from hftk.errors import HftkError
 
 OPTION_HELP = {
@@ -94,7 +94,7 @@ def run_scaling_bench(out_dir: Path, nprocs: list[int] | None = None, strategy: 
                 "nproc": n, "repeat": rep, "step_time_s": step_time, "cpu_time_s": median_of(timed, "cpu_s"),
                 "samples_per_s": n * micro_batch / step_time, "tokens_per_s": n * micro_batch * block_size / step_time,
                 "time_to_target_s": seconds, "steps_to_target": steps_needed,
-                "final_loss": launch.ranks[0]["steps"][-1]["loss"], "launch_wall_s": launch.wall_s,
+                "final_loss": last_logged_loss(launch.ranks), "launch_wall_s": launch.wall_s,
                 "loadavg_before": launch.loadavg_before, "loadavg_after": launch.loadavg_after,
             })
     by_nproc = summarize_runs(runs, nprocs)

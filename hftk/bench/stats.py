@@ -6,6 +6,7 @@ quotes medians with min/max over repeats, never a single sample.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -36,3 +37,11 @@ def timed_steps(ranks: list[dict[str, Any]], warmup: int) -> list[dict[str, floa
 
 def median_of(steps: list[dict[str, float]], key: str) -> float:
     return statistics.median(s[key] for s in steps)
+
+
+def last_logged_loss(ranks: list[dict[str, Any]]) -> float:
+    """The loss of the last step that logged one (steps between logging steps carry NaN)."""
+    logged = [s["loss"] for s in ranks[0]["steps"] if not math.isnan(s["loss"])]
+    if not logged:
+        raise RuntimeError("no step logged a loss: lower logging_steps below the number of steps")
+    return logged[-1]
