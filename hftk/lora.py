@@ -102,7 +102,7 @@ def check_targets(cfg: ModelConfig, model_config: Any) -> None:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
     targets = target_modules(cfg, model_config.model_type)
     kinds = {name: type(module).__name__ for name, module in model.named_modules() if name}
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in kinds)]

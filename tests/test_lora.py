@@ -11,9 +11,12 @@ a final evaluation with eval batch 1 so two ranks average exactly what one proce
 - ``ddp``: 2 x 4 with reentrant gradient checkpointing and ``find_unused_parameters`` (the field's
   "mark a variable ready only once" combination); pushes the merged model (``--hub_push_merged``)
   to a local Hub;
-- ``fsdp`` (2 x 4) and ``zero3`` (2 x 4, pushes the adapter) with gradient checkpointing;
+- ``fsdp`` (2 x 4, ``fsdp_state_dict full``: adapter-only model state in its checkpoints) and
+  ``zero3`` (2 x 4, pushes the adapter) with gradient checkpointing;
 - ``zero2`` and ``zero3_offload`` (2 x 4) without it;
-- ``pipeline``: 2 stages x 8 (4 micro-batches of 2, 1F1B) with gradient checkpointing.
+- ``pipeline``: 2 stages x 8 (4 micro-batches of 2, 1F1B) with gradient checkpointing;
+- ``fsdp_resume``: ``fsdp``'s checkpoint-5 continued to step 10 (adapter loaded into the shards),
+  now writing sharded checkpoints.
 
 AdamW runs with ``adam_epsilon`` 1e-4: with the default 1e-8, Adam's normalisation turns the
 last-bit differences of a 2-rank gradient sum (reduction order) into up to 4e-5 on the few
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -46,7 +50,7 @@ PUSH = ["--push_to_hub", "--hub_strategy", "end", "--hub_retry_backoff_s", "0.2"
 RUNS = {  # name -> (processes, options besides LORA)
     "ddp": (2, ["--per_device_train_batch_size", "4", *GC, "--gradient_checkpointing_kwargs", '{"use_reentrant": true}',
                 "--ddp_find_unused_parameters", "true", *PUSH, "--hub_model_id", MERGED_REPO, "--hub_push_merged"]),
-    "fsdp": (2, ["--strategy", "fsdp", "--per_device_train_batch_size", "4", *GC]),
+    "fsdp": (2, ["--strategy", "fsdp", "--fsdp_state_dict", "full", "--per_device_train_batch_size", "4", *GC]),
     "zero2": (2, ["--strategy", "zero2", "--per_device_train_batch_size", "4"]),
     "zero3": (2, ["--strategy", "zero3", "--per_device_train_batch_size", "4", *GC, *PUSH,
                   "--hub_model_id", ADAPTER_REPO]),
@@ -65,6 +69,9 @@ def runs(tmp_path_factory):
         logs = {name: finetune(nproc, [*LORA, *extra, "--output_dir", str(root / name)], timeout=600,
                                env=hub_env(hub)).output
                 for name, (nproc, extra) in RUNS.items()}
+        shutil.copytree(root / "fsdp" / "checkpoint-5", root / "fsdp_resume" / "checkpoint-5")
+        finetune(2, [*LORA, "--strategy", "fsdp", "--per_device_train_batch_size", "4", *GC, "--output_dir",
+                     str(root / "fsdp_resume"), "--resume_from_checkpoint", "latest"], timeout=600)
         yield root, logs, hub
 
 
@@ -123,6 +130,24 @@ def test_saved_adapter_is_complete_and_equals_single_process(runs, name):
 
 
 @pytest.mark.slow
+def test_fsdp_resumes_from_the_adapter_exactly(runs):
+    """A full-format FSDP checkpoint holds the adapter (no base weights); loaded into the shards it
+    continues the run exactly, and the sharded checkpoints written after it hold the adapter too."""
+    root, _, _ = runs
+    saved = root / "fsdp" / "checkpoint-5"
+    assert (saved / "fsdp_optimizer_full.pt").is_file() and (saved / "tokenizer.json").is_file()
+    assert not (saved / "fsdp_model").exists() and not (saved / "model.safetensors").exists()
+    whole, resumed = losses(root / "fsdp"), losses(root / "fsdp_resume")
+    assert sorted(resumed) == list(range(6, STEPS + 1))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(whole[step], abs=1e-6), step
+    sharded = root / "fsdp_resume" / f"checkpoint-{STEPS}"
+    assert (sharded / "fsdp_model" / ".metadata").is_file()
+    for folder in (sharded, root / "fsdp_resume" / "final"):
+        assert max_diff(adapter(folder), adapter(root / "fsdp" / "final")) < 1e-6
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["single", *RUNS])
 def test_trainable_parameter_count_is_logged(runs, name):
     root, _, _ = runs
@@ -157,6 +182,11 @@ def test_adapter_and_merged_export_reload_at_the_live_eval_loss(runs, name, tmp_
     with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(final))
     assert tiny_eval_loss(with_adapter, tmp_path) == pytest.approx(live, abs=1e-5)
 
+    alone = tmp_path / "adapter"  # without --merge: the checkpoint's adapter as a clean folder
+    assert export_main([str(root / name / f"checkpoint-{STEPS}"), str(alone)]) == 0
+    assert sorted(p.name for p in alone.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                        "tokenizer.json", "tokenizer_config.json"]
+    assert max_diff(adapter(alone), adapter(final)) == 0.0
     merged = tmp_path / "merged"
     assert export_main([str(root / name / f"checkpoint-{STEPS}"), str(merged), "--merge"]) == 0
     assert (merged / "model.safetensors").is_file() and not (merged / "adapter_config.json").exists()

@@ -340,6 +340,8 @@ class FSDPTrainer(Trainer):
             lora.save_adapter(self.model, out, self.args.should_save)
             if self._saving_checkpoint and self.state_dict_type == "sharded":
                 save_sharded_model(self, out)
+            elif self.args.should_save and self.processing_class is not None:
+                self.processing_class.save_pretrained(out)
         elif not self._saving_checkpoint:
             save_full_model(self, out)
         elif self.state_dict_type == "sharded":
