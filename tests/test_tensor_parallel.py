@@ -187,13 +187,19 @@ def test_sp2_ulysses_trains_like_one_process(llama_ref, sp_run):
 # ---------------------------------------------------------------- checkpoints and export
 
 
+def _resume(checkpoint, out, nproc: int, layout: list[str]):
+    """A new run folder holding only ``checkpoint``, continued to the end with ``layout``."""
+    out.mkdir()
+    shutil.copytree(checkpoint, out / checkpoint.name)
+    finetune(nproc, [*COMMON, *LLAMA, "--strategy", "tp", *layout, "--output_dir", str(out),
+                     "--resume_from_checkpoint", "latest"], timeout=600)
+    return out
+
+
 @pytest.mark.slow
 def test_resume_under_tp_is_exact(llama_tp, tmp_path):
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(llama_tp / "checkpoint-3", resumed / "checkpoint-3")
-    finetune(2, [*COMMON, *LLAMA, "--strategy", "tp", "--tp_size", "2", "--per_device_train_batch_size", "4",
-                 "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"], timeout=600)
+    resumed = _resume(llama_tp / "checkpoint-3", tmp_path / "resumed", 2,
+                      ["--tp_size", "2", "--per_device_train_batch_size", "4"])
     full, after = losses(llama_tp), losses(resumed)
     assert sorted(after) == [4, 5]
     for step in after:
@@ -250,12 +256,8 @@ def test_memory_plan_predicts_the_counted_model_state(llama_tp, tp_fsdp, sp_run)
 @pytest.mark.slow
 def test_a_tp_checkpoint_resumes_on_a_3d_mesh(llama_tp, tmp_path):
     """TP=2 checkpoint -> dp_replicate 2 x dp_shard 1 x tp 2 (HSDP x TP, 4 ranks; DCP reshards), same global batch."""
-    resumed = tmp_path / "resumed3d"
-    resumed.mkdir()
-    shutil.copytree(llama_tp / "checkpoint-3", resumed / "checkpoint-3")
-    finetune(4, [*COMMON, *LLAMA, "--strategy", "tp", "--tp_size", "2", "--dp_replicate_size", "2",
-                 "--per_device_train_batch_size", "2", "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"],
-             timeout=600)
+    resumed = _resume(llama_tp / "checkpoint-3", tmp_path / "resumed3d", 4,
+                      ["--tp_size", "2", "--dp_replicate_size", "2", "--per_device_train_batch_size", "2"])
     q = _layout(resumed)["local_shapes"]["model.layers.0.self_attn.q_proj.weight"]
     assert len(q["placements"]) == 3 and q["local"] == [32, 64]  # replicated x (1-way) sharded x TP
     full, after = losses(llama_tp), losses(resumed)
