@@ -91,15 +91,21 @@ def run_record(cfg: Any, args: Any, world_size: int, data_format: str, step: int
             "hyperparameters": hyper, "global_step": step, "metrics": dict(metrics or {})}
 
 
+def _write_new(path: Path, text: str) -> None:
+    """Write ``path`` as a new file: a hard-linked snapshot must never write through into a checkpoint."""
+    path.unlink(missing_ok=True)
+    path.write_text(text)
+
+
 def save_run_record(folder: Path, record: dict[str, Any]) -> None:
     Path(folder).mkdir(parents=True, exist_ok=True)
-    (Path(folder) / RUN_FILE).write_text(json.dumps(record, indent=1, sort_keys=True, default=str))
+    _write_new(Path(folder) / RUN_FILE, json.dumps(record, indent=1, sort_keys=True, default=str))
 
 
 def write_run_files(folder: Path, record: dict[str, Any], repo_id: str | None) -> None:
     """``hftk_run.json`` plus the ``README.md`` model card into ``folder``."""
     save_run_record(folder, record)
-    (folder / CARD_FILE).write_text(model_card(record, repo_id))
+    _write_new(Path(folder) / CARD_FILE, model_card(record, repo_id))
 
 
 def _versions() -> dict[str, str]:
@@ -179,8 +185,7 @@ class PushJob:
     owned: bool = True  # folder is a snapshot: delete it after the push
 
 
-def push_folder(job: PushJob, repo_id: str, private: bool, retries: int, backoff_s: float,
-                revision: str | None = None) -> dict[str, Any]:
+def push_folder(job: PushJob, repo_id: str, private: bool, retries: int, backoff_s: float) -> dict[str, Any]:
     """``create_repo`` + ``upload_folder`` with retries; returns the outcome, never raises for Hub errors."""
     from huggingface_hub import HfApi
 
@@ -190,8 +195,7 @@ def push_folder(job: PushJob, repo_id: str, private: bool, retries: int, backoff
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
             info = api.upload_folder(repo_id=repo_id, folder_path=str(job.folder), commit_message=job.message,
-                                     revision=revision, delete_patterns=job.delete_patterns or None,
-                                     ignore_patterns=list(NEVER_PUSHED))
+                                     delete_patterns=job.delete_patterns or None)
             return {"hub_push": "ok", "hub_target": job.label, "hub_attempts": attempt, "hub_commit": info.oid}
         except Exception as exc:  # any failure of one attempt: network, HTTP, server  # noqa: BLE001
             error = redact(f"{type(exc).__name__}: {exc}")
@@ -312,10 +316,20 @@ class RunPusher:
         return self.uploads / f"{self._count:05d}-{label}"
 
     def checkpoint_published(self, checkpoint: Path) -> None:
-        """``after_publish`` hook of :func:`hftk.checkpoint.install_atomic_checkpoints` (publisher only)."""
+        """``after_publish`` hook of :func:`hftk.checkpoint.install_atomic_checkpoints` (publisher only).
+
+        Runs between two barriers of the save: any failure here is reported, never raised.
+        """
         if self.strategy == "end":
             return
         step = int(checkpoint.name.rsplit("-", 1)[1])
+        try:
+            self._queue_checkpoint(checkpoint, step)
+        except Exception as exc:  # a snapshot that cannot be made (disk full, ...) must not stop training  # noqa: BLE001
+            self._report(step, {"hub_push": "failed", "hub_target": checkpoint.name, "hub_attempts": 0,
+                                "hub_error": redact(f"{type(exc).__name__}: {exc}")})
+
+    def _queue_checkpoint(self, checkpoint: Path, step: int) -> None:
         files: dict[str, Path] = {}
         if has_weights(checkpoint):
             files.update(folder_files(checkpoint, MODEL_PATTERNS))
@@ -407,7 +421,6 @@ def push_command(argv: list[str]) -> int:
     parser.add_argument("folder", type=Path, help="output_dir/final, or a checkpoint-N folder")
     parser.add_argument("repo_id", help="user/name on the Hub")
     parser.add_argument("--public", action="store_true", help="create the repository public (default: private)")
-    parser.add_argument("--revision", default=None, help="branch to commit to (default: main)")
     parser.add_argument("--retries", type=int, default=5, help="attempts before giving up")
     parser.add_argument("--retry_backoff_s", type=float, default=2.0, help="first wait between attempts (doubles)")
     args = parser.parse_args(argv)
@@ -437,7 +450,7 @@ def push_command(argv: list[str]) -> int:
         step = record["global_step"] if record else 0
         outcome = push_folder(PushJob(dest, folder.name, step, f"hftk push {folder.name}", owned=False),
                               args.repo_id, private=not args.public, retries=args.retries,
-                              backoff_s=args.retry_backoff_s, revision=args.revision)
+                              backoff_s=args.retry_backoff_s)
     if outcome["hub_push"] != "ok":
         print(f"hftk: push failed after {outcome['hub_attempts']} attempts: {outcome.get('hub_error', '')}",
               file=sys.stderr)

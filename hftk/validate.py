@@ -67,6 +67,9 @@ def check_config(cfg: RunConfig) -> None:
         from hftk.hub import check_can_push
 
         check_can_push("training.push_to_hub")
+        if t.get("hub_revision"):
+            raise HftkError("training.hub_revision", "hftk pushes to the repository's main branch only.",
+                            "drop --hub_revision, or push to a separate repository id.")
     if cfg.hub.hub_upload_retries < 1:
         raise HftkError("hub.hub_upload_retries", "must be at least 1.", "set it to 1 or more (default 5).")
     check_compression(cfg.strategy, launch_world_size(), dict(os.environ))

@@ -40,16 +40,26 @@ class Running:
     tag: str
     output_dir: Path
     started: float
+    logs: tuple[Path, Path]  # stdout, stderr: files, because a pipe nobody drains blocks the ranks once full
+
+    def kill(self) -> None:
+        """SIGKILL the launcher and every rank (one process group)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def output(self) -> tuple[str, str]:
+        return self.logs[0].read_text(errors="replace"), self.logs[1].read_text(errors="replace")
 
     def finish(self, timeout: float) -> Launch:
         """Wait for the launch; kill its whole process group and fail when it overruns."""
         try:
-            out, err = self.proc.communicate(timeout=max(1.0, timeout - (time.time() - self.started)))
+            self.proc.wait(timeout=max(1.0, timeout - (time.time() - self.started)))
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            out, err = self.proc.communicate()
+            self.kill()
+            out, err = self.output()
             raise AssertionError(f"timed out after {timeout}s\n{out[-3000:]}\n{err[-5000:]}")
-        return Launch(self.proc.returncode, out, err)
+        return Launch(self.proc.returncode, *self.output())
 
 
 def hub_env(hub: HubServer) -> dict[str, str]:
@@ -70,9 +80,11 @@ def start(nproc: int, args: list[str], output_dir: Path, max_restarts: int = 0, 
            str(script), *args, "--output_dir", str(output_dir)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HFTK_TEST_LAUNCH": tag,
                 **env}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=ROOT,
-                            start_new_session=True)
-    return Running(proc, tag, output_dir, time.time())
+    logs = (output_dir.parent / f"{output_dir.name}.stdout", output_dir.parent / f"{output_dir.name}.stderr")
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(logs[0], "w") as out, open(logs[1], "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=full_env, cwd=ROOT, start_new_session=True)
+    return Running(proc, tag, output_dir, time.time(), logs)
 
 
 def logged_steps(output_dir: Path) -> list[int]:
@@ -99,9 +111,10 @@ def wait_for_step(run: Running, step: int, timeout: float) -> int:
             return max(steps)
         if run.proc.poll() is not None:
             raise AssertionError(f"the run ended (rc {run.proc.returncode}) before step {step}:\n"
-                                 f"{run.proc.stderr.read()[-5000:]}")
+                                 f"{run.output()[1][-5000:]}")
         time.sleep(0.01)
-    raise AssertionError(f"step {step} not reached within {timeout}s")
+    run.kill()
+    raise AssertionError(f"step {step} not reached within {timeout}s (steps logged: {logged_steps(run.output_dir)})")
 
 
 def worker_pid(run: Running, rank: int, restart: int = 0, timeout: float = 60) -> int:

@@ -21,12 +21,13 @@ import torch
 
 from hftk.checkpoint import COMPLETE_MARKER, STAGING_DIR, is_complete, list_checkpoints
 from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED
-from tests.faults import RUN_ARGS, STEPS, reference_run, start, wait_for_step, worker_pid
+from tests.faults import RUN_ARGS, SAVE_STEPS, STEPS, reference_run, start, wait_for_step, worker_pid
 from tests.helpers import ROOT, TINY_ARGS, free_port, load_weights, losses, max_weight_diff
 
 pytestmark = pytest.mark.slow
 WORKERS = ROOT / "tests" / "workers"
 TOLERANCE = 1e-6
+ZERO3_STEPS = 20
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,30 @@ def test_rotation_keeps_the_newest_complete_checkpoints(killed):
     out, _, _ = killed
     assert steps_of(list_checkpoints(out)) == [20, 25, 30]  # save_total_limit 3
     assert not (out / STAGING_DIR).exists()  # nothing half-written left behind
+
+
+@pytest.fixture(scope="module")
+def zero3_killed(tmp_path_factory):
+    """ZeRO-3 (DeepSpeed shards in every checkpoint): an uninterrupted run, then rank 0 SIGKILLed at a random step."""
+    root = tmp_path_factory.mktemp("zero3")
+    args = [*RUN_ARGS, "--strategy", "zero3", "--max_steps", str(ZERO3_STEPS)]
+    reference = start(2, args, root / "reference").finish(timeout=600)
+    assert reference.returncode == 0, reference.output[-6000:]
+    kill_at = random.randint(7, ZERO3_STEPS - 6)
+    run = start(2, args, root / "killed", max_restarts=2)
+    seen = wait_for_step(run, kill_at, timeout=400)
+    os.kill(worker_pid(run, rank=0), signal.SIGKILL)  # the rank that publishes checkpoints
+    return root, run.finish(timeout=600), seen
+
+
+def test_zero3_run_with_a_killed_rank_ends_with_the_uninterrupted_weights(zero3_killed):
+    root, result, seen = zero3_killed
+    assert result.returncode == 0, result.output[-6000:]
+    resumed = re.findall(r"hftk: resuming from \S+/checkpoint-(\d+) \(elastic restart 1\)", result.stderr)
+    assert resumed and int(resumed[0]) % SAVE_STEPS == 0 and int(resumed[0]) <= seen + 1, (resumed, seen)
+    assert any((root / "killed" / f"checkpoint-{resumed[0]}").glob("global_step*"))  # ZeRO shards were resumed
+    diff = max_weight_diff(load_weights(root / "reference" / "final"), load_weights(root / "killed" / "final"))
+    assert diff <= TOLERANCE, f"killed near step {seen}: max weight difference {diff}"
 
 
 # ------------------------------------------------------------------ SIGTERM preemption
@@ -168,17 +193,19 @@ def nan_runs(tmp_path_factory):
         "skip": [*common, "--save_steps", "1", "--nan_policy", "skip", "--output_dir", str(root / "skip")],
         "stop": [*common, "--save_steps", "100", "--nan_policy", "stop", "--output_dir", str(root / "stop")],
     }
-    procs = {k: subprocess.Popen([sys.executable, str(WORKERS / "nan_loss.py"), *a], cwd=ROOT, env=env, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-             for k, a in cmds.items()}
+    procs = {}
+    for name, args in cmds.items():  # output to files: an undrained pipe would block the process once full
+        with open(root / f"{name}.log", "w") as log:
+            procs[name] = subprocess.Popen([sys.executable, str(WORKERS / "nan_loss.py"), *args], cwd=ROOT, env=env,
+                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     results = {}
     for name, proc in procs.items():
         try:
-            out, err = proc.communicate(timeout=300)
+            proc.wait(timeout=300)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise
-        results[name] = (proc.returncode, err)
+        results[name] = (proc.returncode, (root / f"{name}.log").read_text())
     return root, results
 
 
@@ -231,15 +258,16 @@ def elastic_envs(tmp_path_factory):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                *options, str(WORKERS / "elastic_env.py"), str(root / f"{name}.json")]
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": disable_share}
-        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True, start_new_session=True)
+        with open(root / f"{name}.log", "w") as log:
+            procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
     for name, proc in procs.items():
         try:
-            out, _ = proc.communicate(timeout=180)
+            proc.wait(timeout=180)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise
-        assert proc.returncode == 0, out[-3000:]
+        assert proc.returncode == 0, (root / f"{name}.log").read_text()[-3000:]
     return {name: json.loads((root / f"{name}.json").read_text()) for name in LAUNCHES}
 
 
