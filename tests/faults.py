@@ -62,6 +62,27 @@ class Running:
         return Launch(self.proc.returncode, *self.output())
 
 
+def side_by_side(cmds: dict[str, list[str]], env: dict[str, dict[str, str]], logs: Path,
+                 timeout: float) -> dict[str, tuple[int, str]]:
+    """Run several commands at once (each in its own session, output in ``logs/<name>.log``): name -> (rc, output)."""
+    procs = {}
+    for name, cmd in cmds.items():  # files, not pipes: an undrained pipe blocks its writer once full
+        with open(logs / f"{name}.log", "w") as log:
+            procs[name] = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env[name]},
+                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    results = {}
+    for name, proc in procs.items():
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs.values():
+                if other.poll() is None:
+                    os.killpg(other.pid, signal.SIGKILL)
+            raise AssertionError(f"{name} timed out after {timeout}s") from None
+        results[name] = (proc.returncode, (logs / f"{name}.log").read_text(errors="replace"))
+    return results
+
+
 def hub_env(hub: HubServer) -> dict[str, str]:
     return {"HF_ENDPOINT": hub.base_url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0",
             "HF_HUB_DISABLE_TELEMETRY": "1"}

@@ -14,14 +14,14 @@ import random
 import re
 import signal
 import sys
-import subprocess
 
 import pytest
 import torch
 
 from hftk.checkpoint import COMPLETE_MARKER, STAGING_DIR, is_complete, list_checkpoints
 from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED
-from tests.faults import RUN_ARGS, SAVE_STEPS, STEPS, reference_run, start, wait_for_step, worker_pid
+from tests.faults import (RUN_ARGS, SAVE_STEPS, STEPS, reference_run, side_by_side, start, wait_for_step,
+                          worker_pid)
 from tests.helpers import ROOT, TINY_ARGS, free_port, load_weights, losses, max_weight_diff
 
 pytestmark = pytest.mark.slow
@@ -188,24 +188,12 @@ def nan_runs(tmp_path_factory):
     """One process, NaN loss at step 3: policy skip (saving every step) and policy stop, run side by side."""
     root = tmp_path_factory.mktemp("nan")
     common = [*TINY_ARGS, "--max_steps", "6", "--save_strategy", "steps", "--save_total_limit", "0"]
-    env = {**os.environ, "HFTK_NAN_AT_STEP": "3", "PYTHONUNBUFFERED": "1"}
     cmds = {
         "skip": [*common, "--save_steps", "1", "--nan_policy", "skip", "--output_dir", str(root / "skip")],
         "stop": [*common, "--save_steps", "100", "--nan_policy", "stop", "--output_dir", str(root / "stop")],
     }
-    procs = {}
-    for name, args in cmds.items():  # output to files: an undrained pipe would block the process once full
-        with open(root / f"{name}.log", "w") as log:
-            procs[name] = subprocess.Popen([sys.executable, str(WORKERS / "nan_loss.py"), *args], cwd=ROOT, env=env,
-                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    results = {}
-    for name, proc in procs.items():
-        try:
-            proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-        results[name] = (proc.returncode, (root / f"{name}.log").read_text())
+    results = side_by_side({k: [sys.executable, str(WORKERS / "nan_loss.py"), *a] for k, a in cmds.items()},
+                           {k: {"HFTK_NAN_AT_STEP": "3"} for k in cmds}, root, timeout=300)
     return root, results
 
 
@@ -253,21 +241,12 @@ LAUNCHES = {  # name -> (torchrun options, TORCH_DISABLE_SHARE_RDZV_TCP_STORE, r
 def elastic_envs(tmp_path_factory):
     """What real torchrun launches tell their workers (three launches side by side)."""
     root = tmp_path_factory.mktemp("elastic_env")
-    procs = {}
-    for name, (options, disable_share, _) in LAUNCHES.items():
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               *options, str(WORKERS / "elastic_env.py"), str(root / f"{name}.json")]
-        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": disable_share}
-        with open(root / f"{name}.log", "w") as log:
-            procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
-    for name, proc in procs.items():
-        try:
-            proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-        assert proc.returncode == 0, (root / f"{name}.log").read_text()[-3000:]
+    cmds = {name: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                   *options, str(WORKERS / "elastic_env.py"), str(root / f"{name}.json")]
+            for name, (options, _, _) in LAUNCHES.items()}
+    env = {name: {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": share} for name, (_, share, _) in LAUNCHES.items()}
+    for name, (rc, output) in side_by_side(cmds, env, root, timeout=180).items():
+        assert rc == 0, output[-3000:]
     return {name: json.loads((root / f"{name}.json").read_text()) for name in LAUNCHES}
 
 
