@@ -86,7 +86,8 @@ def test_configs_command_writes_other_layouts(tmp_path):
     assert (out / "deepspeed" / "zero3.json").read_text() == (CONFIGS / "deepspeed" / "zero3.json").read_text()
 
 
-@pytest.mark.parametrize("args,field", [(["--nodes", "2"], "--nodes"), (["--procs_per_node", "0"], "--procs_per_node")])
+@pytest.mark.parametrize("args,field", [(["--nodes", "2"], "--main_process_ip"), (["--nodes", "0"], "--nodes"),
+                                        (["--procs_per_node", "0"], "--procs_per_node")])
 def test_configs_command_bad_layout_is_one_line(args, field, tmp_path):
     result = run([sys.executable, "-m", "hftk.cli", "configs", "--out", str(tmp_path / "c"), *args], timeout=120)
     lines = [line for line in result.stderr.splitlines() if line.strip() and "Setting accelerator" not in line]

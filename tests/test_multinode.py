@@ -149,3 +149,38 @@ def test_lost_node_ends_in_a_clear_error_within_the_join_timeout(tmp_path):
     assert codes[0] != 0
     assert seconds < JOIN_TIMEOUT + 120, seconds
     assert "RendezvousTimeoutError" in survivor or "Connection closed by peer" in survivor, survivor[-3000:]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_generated_multinode_configs_launch_two_hosts(runs, strategy, tmp_path):
+    """`hftk configs --nodes 2` YAMLs, launched with `accelerate launch --machine_rank R` on each host."""
+    out = tmp_path / "run"
+    with two_hosts() as (a, b):
+        main = a.name if a.netns else a.address
+        configs = tmp_path / "configs"
+        made = subprocess.run([sys.executable, "-m", "hftk.cli", "configs", "--out", str(configs), "--nodes", "2",
+                               "--procs_per_node", "1", "--main_process_ip", main,
+                               "--main_process_port", str(free_port())], capture_output=True, text=True, timeout=120)
+        assert made.returncode == 0, made.stderr
+        args = [*TINY_ARGS, "--max_steps", str(STEPS), "--output_dir", str(out),
+                "--per_device_train_batch_size", str(GLOBAL_BATCH // 2)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+               "PET_RDZV_ID": f"hftk-{tmp_path.name}"}
+        accelerate = str(Path(sys.executable).parent / "accelerate")
+        procs = [subprocess.Popen(host.wrap([accelerate, "launch", "--config_file", str(configs / f"{strategy}.yaml"),
+                                             "--machine_rank", str(rank), str(FINETUNE), *args]),
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True)
+                 for rank, host in enumerate((a, b))]
+        try:
+            outputs = [p.communicate(timeout=420)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert f"strategy {strategy}" in outputs[0] or strategy == "ddp"
+    ref, got = losses(runs / "single"), losses(out)
+    assert sorted(got) == sorted(ref)
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-5), (strategy, step)
