@@ -145,3 +145,50 @@ def test_push_without_a_way_to_upload_is_refused_before_training(tmp_path, monke
         check_config(cfg)
     assert error.value.field == "training.push_to_hub" and problem in error.value.problem
     assert token is None or token not in str(error.value)
+
+
+@pytest.mark.parametrize("strategy", ["end", "every_save", "all_checkpoints"])
+def test_each_hub_strategy_pushes_what_it_says(pushed, tmp_path, monkeypatch, strategy):
+    """The other hub strategies, driven in-process on copies of the reference run's checkpoints."""
+    import shutil
+    from types import SimpleNamespace
+
+    import huggingface_hub.constants
+
+    from hftk.config import load_config
+    from hftk.hub import RunPusher
+
+    out, _, hub, _ = pushed
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.base_url)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    repo = f"hftk-test/strategy-{strategy.replace('_', '-')}"
+    run_dir = tmp_path / "run"
+    whole, sharded = run_dir / "checkpoint-10", run_dir / "checkpoint-15"
+    shutil.copytree(out / "checkpoint-10", whole)
+    shutil.copytree(out / "checkpoint-15", sharded)
+    (sharded / "model.safetensors").unlink()  # as a sharded strategy's checkpoint: no consolidated weights
+    cfg = load_config([*TINY_ARGS, "--output_dir", str(run_dir), "--hub_retry_backoff_s", "0.1"])
+    args = SimpleNamespace(hub_model_id=repo, hub_strategy=strategy, output_dir=str(run_dir), hub_private_repo=None,
+                           **{k: 1 for k in ("learning_rate", "lr_scheduler_type", "warmup_steps", "per_device_train_batch_size",
+                                             "gradient_accumulation_steps", "num_train_epochs", "max_steps", "optim",
+                                             "weight_decay", "max_grad_norm", "bf16", "fp16", "seed")})
+    pusher = RunPusher(cfg, args, world_size=2, data_format="text", metrics_path=run_dir / "metrics.jsonl")
+    pusher.checkpoint_published(whole)
+    pusher.checkpoint_published(sharded)
+    pusher.pusher.wait()
+    reported = metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    outcomes = {m["hub_target"]: m["hub_push"] for m in reported if "hub_push" in m}
+    files = set(repo_files(hub, repo)) if repo in hub.state.repos else set()
+    model = {"model.safetensors", "config.json", CARD_FILE, RUN_FILE}
+    if strategy == "end":  # checkpoints stay home: only the final folder is pushed, at the end
+        assert outcomes == {} and files == set()
+    elif strategy == "every_save":  # the model files of each save; a checkpoint without weights is reported
+        assert outcomes == {"checkpoint-10": "ok", "checkpoint-15": "skipped"}
+        assert model <= files and not any("/" in f for f in files)
+        assert "optimizer steps: 10" in repo_files(hub, repo)[CARD_FILE].decode()
+    else:  # every checkpoint whole, in its own folder
+        assert outcomes == {"checkpoint-10": "ok", "checkpoint-15": "ok"}
+        assert {"checkpoint-10/optimizer.pt", "checkpoint-15/optimizer.pt", "checkpoint-15/rng_state_1.pth"} <= files
+    assert not (run_dir / ".hub-upload").exists() or not any((run_dir / ".hub-upload").iterdir())

@@ -260,3 +260,17 @@ def test_restarts_torch_cannot_carry_out_are_refused_before_training(elastic_env
             check_restartable(elastic_envs[name])
     else:
         check_restartable(elastic_envs[name])
+
+
+def test_sigusr1_is_a_preemption_signal_too():
+    """SLURM's --signal=USR1@N warns this way: the handler records it instead of the process dying."""
+    from hftk.resilience import PreemptionSignal
+
+    preemption = PreemptionSignal()
+    preemption.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.received == signal.SIGUSR1
+    finally:
+        preemption.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
