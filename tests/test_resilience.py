@@ -98,6 +98,33 @@ def test_zero3_run_with_a_killed_rank_ends_with_the_uninterrupted_weights(zero3_
     assert diff <= TOLERANCE, f"killed near step {seen}: max weight difference {diff}"
 
 
+def test_hftk_push_consolidates_a_zero3_checkpoint_of_shards_only(zero3_killed, tmp_path, monkeypatch):
+    """`hftk push` after the fact of a checkpoint holding only ZeRO-3 shards: consolidated first, then pushed."""
+    import shutil
+
+    import huggingface_hub.constants
+    from safetensors.torch import load
+
+    from hftk.hub import push_command
+    from tests.faults import TOKEN, hub_server
+
+    root, _, _ = zero3_killed
+    hub = hub_server()
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.base_url)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    shutil.copytree(root / "reference" / "checkpoint-10", tmp_path / "checkpoint-10")
+    shutil.copy(root / "reference" / "hftk_run.json", tmp_path)
+    (tmp_path / "checkpoint-10" / "model.safetensors").unlink()  # only the ZeRO shards (global_step10/) are left
+    assert push_command([str(tmp_path / "checkpoint-10"), "hftk-test/zero3-shards", "--retry_backoff_s", "0.1"]) == 0
+    files = hub.state.files("hftk-test/zero3-shards")
+    pushed = load(files["model.safetensors"])
+    gathered = load_weights(root / "reference" / "checkpoint-10")  # what ZeRO-3 itself gathered at that save
+    assert max_weight_diff(gathered, {k: pushed[k] for k in gathered}) == 0.0
+    assert "**zero3** over 2 process(es)" in files["README.md"].decode() and "optimizer steps: 10" in files["README.md"].decode()
+
+
 # ------------------------------------------------------------------ SIGTERM preemption
 
 
