@@ -48,6 +48,28 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def elastic_run_id() -> str | None:
+    """The launcher's job identity (``--rdzv-id``, a uuid under ``--standalone``); None when it has none."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return run_id if run_id and run_id != "none" else None
+
+
+def continues_this_job(output_dir: Path) -> bool:
+    """True when this process group is a later round of the job that wrote the newest checkpoint.
+
+    ``TORCHELASTIC_RESTART_COUNT`` only counts failures of this node's own workers: when another
+    node's workers die, this node's agent re-forms the group as a membership change and its
+    workers start with a count of 0. The run id in the checkpoint's seal tells them apart.
+    """
+    if restart_count() > 0:
+        return True
+    run_id = elastic_run_id()
+    checkpoints = list_checkpoints(output_dir)
+    if run_id is None or not checkpoints:
+        return False
+    return json.loads((checkpoints[-1] / COMPLETE_MARKER).read_text()).get("elastic_run_id") == run_id
+
+
 def resolve_resume(output_dir: Path, value: str | None) -> str | None:
     """``latest`` -> newest complete checkpoint (or None to start fresh); a path passes through.
 
@@ -55,7 +77,7 @@ def resolve_resume(output_dir: Path, value: str | None) -> str | None:
     command line asked for: the group must continue where it died, not where it first started.
     """
     checkpoints = list_checkpoints(output_dir)
-    if restart_count() > 0 and checkpoints:
+    if checkpoints and continues_this_job(output_dir):
         return str(checkpoints[-1])
     if not value:
         return None
@@ -110,7 +132,8 @@ def seal(folder: Path, step: int | None) -> None:
             _fsync(path)
             files[path.relative_to(folder).as_posix()] = path.stat().st_size
         _fsync(Path(root))
-    marker = {"step": step, "files": files, "hftk_version": __version__, "sealed_at": time.time()}
+    marker = {"step": step, "files": files, "hftk_version": __version__, "sealed_at": time.time(),
+              "elastic_run_id": elastic_run_id()}
     tmp = folder / f"{COMPLETE_MARKER}.tmp"
     with open(tmp, "w") as f:
         json.dump(marker, f, indent=1, sort_keys=True)

@@ -96,13 +96,13 @@ def _check_parallel_degrees(cfg: RunConfig) -> None:
 
 def _check_output_dir(cfg: RunConfig) -> None:
     """Never silently train over someone's earlier checkpoints."""
-    from hftk.checkpoint import restart_count
+    from hftk.checkpoint import continues_this_job
 
     resume = cfg.training.get("resume_from_checkpoint")
     if resume and resume != "latest" and not Path(resume).is_dir():
         raise HftkError("training.resume_from_checkpoint", f"'{resume}' is not a checkpoint folder.",
                         "pass an existing checkpoint-N folder or 'latest'.")
-    restarted = restart_count() > 0  # an elastic restart resumes its own checkpoints (checkpoint.resolve_resume)
+    restarted = continues_this_job(cfg.output_dir)  # an elastic round resumes its own checkpoints
     earlier = any(Path(cfg.output_dir).glob("checkpoint-*"))  # complete or not: either is someone's work
     if not resume and not restarted and earlier and not cfg.training.get("overwrite_output_dir"):
         raise HftkError("training.output_dir", f"{cfg.output_dir} already holds checkpoints of another run.",
