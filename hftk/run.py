@@ -45,4 +45,27 @@ def main(argv: list[str] | None = None) -> int:
     except HftkError as exc:
         print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    if prepared.world_size > 1:
+        _exit_without_teardown(0)
     return 0
+
+
+def _exit_without_teardown(code: int) -> None:
+    """Leave a finished distributed run without the interpreter's C++ teardown.
+
+    Everything is saved, pushed and flushed by now, and the engine has destroyed the process
+    group; yet now and then a rank still aborted at interpreter exit ("terminate called without
+    an active exception", a c10d/gloo thread destroyed while joinable), turning a complete run
+    into a launcher failure. Finishing trackers and flushing here, then ``os._exit``, skips only
+    that teardown.
+    """
+    import logging
+    import os
+
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
