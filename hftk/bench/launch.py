@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -75,10 +75,12 @@ class LaunchResult:
 
 
 def torchrun_module(nproc: int, module: str, args: list[str], work_dir: Path, timeout: float, threads: int,
-                    env: dict[str, str] | None = None) -> float:
+                    env: dict[str, str] | None = None, done: Callable[[], bool] | None = None) -> float:
     """``python -m torch.distributed.run ... -m MODULE ARGS`` on loopback, logged to ``work_dir/log.txt``.
 
     Returns the wall time; raises RuntimeError with the log's tail on failure or after ``timeout``.
+    ``done`` says whether every rank has written its results: a launch that then fails to exit
+    (a hung teardown) is killed after a grace period instead of costing the whole timeout.
     """
     work_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
@@ -89,15 +91,37 @@ def torchrun_module(nproc: int, module: str, args: list[str], work_dir: Path, ti
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise RuntimeError(f"bench launch timed out after {timeout:.0f}s ({work_dir}):\n{_tail(log_path)}") from None
-    if code != 0:
+        code = _wait(proc, timeout, done)
+    if code is None:
+        raise RuntimeError(f"bench launch timed out after {timeout:.0f}s ({work_dir}):\n{_tail(log_path)}")
+    if code == HUNG_AFTER_RESULTS:
+        print(f"hftk bench: every rank wrote its results but the launch did not exit within {EXIT_GRACE_S}s "
+              f"(process-group teardown); killed it ({work_dir})", flush=True)
+    elif code != 0:
         raise RuntimeError(f"bench launch failed with exit code {code} ({work_dir}):\n{_tail(log_path)}")
     return time.perf_counter() - start
+
+
+HUNG_AFTER_RESULTS = -999
+EXIT_GRACE_S = 60
+
+
+def _wait(proc: subprocess.Popen, timeout: float, done: Callable[[], bool] | None) -> int | None:
+    """The exit code; None after ``timeout``; HUNG_AFTER_RESULTS when ``done()`` held for EXIT_GRACE_S
+    but the processes did not exit. Overrunning launches are killed as a process group."""
+    deadline, finished_at = time.monotonic() + timeout, None
+    while True:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            now = time.monotonic()
+            if finished_at is None and done is not None and done():
+                finished_at = now
+            hung = finished_at is not None and now - finished_at > EXIT_GRACE_S
+            if now > deadline or hung:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return HUNG_AFTER_RESULTS if hung else None
 
 
 def run_workers(nproc: int, spec: dict[str, Any], work_dir: Path, timeout: float, threads: int,
@@ -108,8 +132,10 @@ def run_workers(nproc: int, spec: dict[str, Any], work_dir: Path, timeout: float
     spec_path = work_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     before = list(os.getloadavg())
-    wall = torchrun_module(nproc, "hftk.bench.worker", [str(spec_path)], work_dir, timeout, threads, env)
-    ranks = [json.loads((work_dir / "ranks" / f"rank{r}.json").read_text()) for r in range(nproc)]
+    files = [work_dir / "ranks" / f"rank{r}.json" for r in range(nproc)]
+    wall = torchrun_module(nproc, "hftk.bench.worker", [str(spec_path)], work_dir, timeout, threads, env,
+                           done=lambda: all(f.exists() for f in files))
+    ranks = [json.loads(f.read_text()) for f in files]
     return LaunchResult(ranks=ranks, wall_s=wall, loadavg_before=before, loadavg_after=list(os.getloadavg()))
 
 

@@ -78,7 +78,6 @@ def run_trainer(argv: list[str]) -> dict[str, Any]:
     clock = StepClock()
     trainer.add_callback(StepClockCallback(clock))
     trainer.train()
-    trainer.accelerator.end_training()
     return {"steps": clock.steps}
 
 
@@ -127,7 +126,6 @@ def run_hand_loop(argv: list[str]) -> dict[str, Any]:
             clock.tick(logged)
             if step == max_steps:
                 break
-    accelerator.end_training()
     return {"steps": clock.steps}
 
 
@@ -172,8 +170,6 @@ def run_batch_trials(argv: list[str], trials: list[dict[str, Any]], budget_bytes
             search_over = not fits
             largest_fit = trial["micro_batch"] if fits else largest_fit
         results.append({**trial, "peak_mem_bytes": peak, "oom": oom, "fits": fits, "steps": clock.steps})
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return {"trials": results}
 
 
@@ -200,8 +196,19 @@ def main(spec_path: str) -> int:
     rank = int(os.environ.get("RANK", "0"))
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **result}))
+    tmp = out / f".rank{rank}.json"
+    tmp.write_text(json.dumps({"rank": rank, **result}))
+    tmp.rename(out / f"rank{rank}.json")  # complete or absent: the launcher watches for these files
+    teardown()
     return 0
+
+
+def teardown() -> None:
+    """Leave together, then close the group: gloo aborts at exit with the group still up, and a rank
+    destroying it while its peer is still busy has hung a launch (the launcher also bounds this)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
