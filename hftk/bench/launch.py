@@ -97,6 +97,9 @@ def torchrun_module(nproc: int, module: str, args: list[str], work_dir: Path, ti
     if code == HUNG_AFTER_RESULTS:
         print(f"hftk bench: every rank wrote its results but the launch did not exit within {EXIT_GRACE_S}s "
               f"(process-group teardown); killed it ({work_dir})", flush=True)
+    elif code != 0 and done is not None and done():
+        print(f"hftk bench: every rank wrote its results, then the launch exited with code {code} at teardown; "
+              f"results kept ({work_dir}/log.txt)", flush=True)
     elif code != 0:
         raise RuntimeError(f"bench launch failed with exit code {code} ({work_dir}):\n{_tail(log_path)}")
     return time.perf_counter() - start
