@@ -20,11 +20,11 @@ from hftk.comm.register import is_active as comm_active
 from hftk.data import tokenize_and_pack
 from hftk.engine.guard import WorldGuard, check_world
 from hftk.errors import HftkError
-from hftk.hub import run_pusher, run_record, save_run_record, write_run_files
 from hftk.memory import ModelStateCallback
+from hftk.hub import run_pusher, run_record, save_run_record, write_run_files
 from hftk.modeling import load_model, load_tokenizer
-from hftk.resilience import StepGuard, stop_if_interrupted
 from hftk.monitor import MetricsCallback, SyncCheckCallback
+from hftk.resilience import StepGuard, stop_if_interrupted
 from hftk.telemetry import RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops, flops_per_token
 from hftk.run_types import PreparedRun
 
