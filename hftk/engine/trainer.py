@@ -39,6 +39,10 @@ def build_training_arguments(prepared: PreparedRun, extra: dict[str, Any]) -> An
     kwargs = {**cfg.training, **extra}
     kwargs.setdefault("use_cpu", not torch.cuda.is_available())
     kwargs.setdefault(_checkpointing_kwargs_field(), {"use_reentrant": False})  # reentrant breaks DDP + LoRA
+    if prepared.data_format == "text" and cfg.data.packing:
+        # Packed text: every block's labels are all real tokens, so every rank counts the same number
+        # and the Trainer's per-step all-reduce of token counts (a sync point) changes nothing.
+        kwargs.setdefault("average_tokens_across_devices", False)
     if not prepared.has_eval:
         kwargs["eval_strategy"] = "no"
     kwargs["push_to_hub"] = False  # hftk.hub pushes (card, retries, background); the Trainer would push twice
