@@ -291,10 +291,11 @@ class RankMonitor:
             return None
         summary = summarize(rows, self.imbalance_threshold, "gpu_allocated" if self.device.type == "cuda" else
                             ("rss_hwm" if self._peak_resettable else "rss_hwm_lifetime"))
-        if summary.unmeasured and not self._warned_unmeasured:
-            self._warned_unmeasured = True
-            logger.warning("rank imbalance not measured: no gradient reached the compute-timing hooks (none "
-                           "attached, or this strategy sets gradients itself); only wall-clock step times are reported.")
+        if summary.unmeasured and self._hooks and not self._warned_unmeasured:
+            self._warned_unmeasured = True  # hooks attached, yet no gradient reached them
+            logger.warning("rank imbalance not measured: this strategy sets gradients without autograd "
+                           "accumulating them, so the compute-timing hooks never fire; only wall-clock step "
+                           "times are reported.")
         return summary
 
 
@@ -366,8 +367,9 @@ class RankMonitorCallback(TrainerCallback):
         self.metrics_path = metrics_path
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        """Hooks on the model when the loop hands one over (hftk's own loops may not: then the monitor
-        reports wall/CPU time, memory and comm share, and says that compute time is not measured)."""
+        """Hooks on the model when the loop hands one over. hftk's pipeline loop does not (a stage's
+        micro-batches interleave with its waits, so forward-to-last-gradient is not its compute time):
+        then the monitor reports wall/CPU time, memory and comm share, and no imbalance."""
         if model is not None:
             self.monitor.attach(model)
         else:

@@ -44,7 +44,7 @@ from hftk.modeling import load_model
 from hftk.monitor import MetricsCallback, append_jsonl, parameter_digest
 from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionSignal, agree, nonfinite_gradients
 from hftk.run_types import PreparedRun
-from hftk.telemetry import compute_dtype, device_peak_flops, flops_per_token
+from hftk.telemetry import RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops, flops_per_token
 
 STATE_FILE = "trainer_state.json"  # the Trainer's own state file (global step, log history)
 SCHEDULER_FILE = "scheduler.pt"
@@ -226,7 +226,10 @@ def _start_run(prepared: PreparedRun, args: Any, rt: Any, model_config: Any, tok
     metrics_cb = MetricsCallback(metrics_path, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
                                  flops_per_step=tokens_per_step * token_flops,
                                  peak_flops=peak * dist.get_world_size() if peak else None)
-    callbacks = [metrics_cb, DefaultFlowCallback, *get_reporting_integration_callbacks(args.report_to)]
+    # Per-rank memory, comm share and step times (no model handed over: no compute-time imbalance).
+    monitor = RankMonitorCallback(RankMonitor(args.device, cfg.tracking.imbalance_warn_threshold,
+                                              cfg.tracking.comm_profile_steps), metrics_path)
+    callbacks = [monitor, metrics_cb, DefaultFlowCallback, *get_reporting_integration_callbacks(args.report_to)]
     handler = CallbackHandler(callbacks, None, tokenizer, optimizer, scheduler)
     return Run(prepared=prepared, args=args, rt=rt, model_config=model_config, tokenizer=tokenizer,
                optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, eval_loader=eval_loader,
