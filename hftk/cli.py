@@ -3,57 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from typing import Callable
 
 from hftk import __version__
 from hftk.errors import HftkError
 
 
-def _train(rest: list[str]) -> int:
-    from hftk.run import main
-
-    return main(rest)
-
-
-def _configs(rest: list[str]) -> int:
-    from hftk.launch import configs_command
-
-    return configs_command(rest)
-
-
-def _plan(rest: list[str]) -> int:
-    from hftk.plan import plan_command
-
-    return plan_command(rest)
-
-
-def _push(rest: list[str]) -> int:
-    from hftk.hub import push_command
-
-    return push_command(rest)
-
-
-def _export(rest: list[str]) -> int:
-    from hftk.export import main
-
-    return main(rest)
-
-
-def _bench(rest: list[str]) -> int:
-    from hftk.bench.cli import bench_command
-
-    return bench_command(rest)
-
-
-# name -> (help, handler taking the remaining argv). Each handler parses its own options.
+# name -> (help, "module:function"). Handlers take the remaining argv and parse their own options;
+# they are imported only when their command runs, so `hftk --help` stays fast.
 COMMANDS = {
-    "train": ("Fine-tune in this process, or under a launcher (same options as scripts/finetune.py).", _train),
-    "push": ("Push a final folder or a checkpoint to the Hub with a generated model card.", _push),
-    "configs": ("Write the accelerate launch configs and DeepSpeed JSON of every strategy.", _configs),
-    "plan": ("Per-rank memory of every strategy for a model (config only, no weights); the pick for auto.", _plan),
-    "export": ("Turn any strategy's checkpoint into a standard HF folder (safetensors, config, tokenizer).", _export),
-    "bench": ("Measure scaling, memory, communication, pipeline, batch size and overhead; one report folder.", _bench),
+    "train": ("Fine-tune in this process, or under a launcher (same options as scripts/finetune.py).",
+              "hftk.run:main"),
+    "push": ("Push a final folder or a checkpoint to the Hub with a generated model card.", "hftk.hub:push_command"),
+    "configs": ("Write the accelerate launch configs and DeepSpeed JSON of every strategy.",
+                "hftk.launch:configs_command"),
+    "plan": ("Per-rank memory of every strategy for a model (config only, no weights); the pick for auto.",
+             "hftk.plan:plan_command"),
+    "export": ("Turn any strategy's checkpoint into a standard HF folder (safetensors, config, tokenizer).",
+               "hftk.export:main"),
+    "bench": ("Measure scaling, memory, communication, pipeline, batch size and overhead; one report folder.",
+              "hftk.bench.cli:bench_command"),
 }
+
+
+def _handler(name: str) -> Callable[[list[str]], int]:
+    module, function = COMMANDS[name][1].split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         parser.parse_args(argv[:1])  # prints argparse's "invalid choice" message and exits 2
     try:
-        return COMMANDS[argv[0]][1](argv[1:])
+        return _handler(argv[0])(argv[1:])
     except HftkError as exc:
         print(f"hftk: error: {exc.one_line()}", file=sys.stderr)
         return 2
