@@ -23,7 +23,7 @@ import yaml
 
 from hftk.errors import HftkError
 
-STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "pipeline", "tp", "sp", "auto")
+STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "pipeline", "tp", "cp", "sp", "auto")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 DEFAULT_MODEL = "builtin:gpt2-small"
@@ -105,7 +105,8 @@ class StrategyConfig:
     strategy: str = _opt(
         "ddp",
         "Parallelism: ddp, fsdp (FSDP2), zero1, zero2, zero3, zero3_offload (DeepSpeed), pipeline, tp (tensor "
-        "parallel x FSDP2 on one mesh), sp (DeepSpeed Ulysses sequence parallel), "
+        "parallel x FSDP2 on one mesh), cp (ring-attention context parallel on that mesh), "
+        "sp (DeepSpeed Ulysses sequence parallel), "
         "or auto (pick from the per-rank memory plan).",
         choices=list(STRATEGIES),
     )
@@ -122,13 +123,13 @@ class StrategyConfig:
     pp_microbatches: int = _opt(4, "Micro-batches each pipeline step splits a batch into.")
     pp_schedule: str = _opt("1f1b", "Pipeline schedule.", choices=list(PP_SCHEDULES))
     pp_virtual_stages: int = _opt(2, "Stages per rank for interleaved_1f1b.")
-    tp_size: int = _opt(1, "Tensor-parallel degree (strategy tp).")
-    dp_shard_size: int = _opt(1, "FSDP2 sharding degree composed with tensor parallel (-1: the rest of the world).")
+    tp_size: int = _opt(1, "Tensor-parallel degree (strategy tp or cp).")
+    dp_shard_size: int = _opt(1, "FSDP2 sharding degree composed with tensor / context parallel (-1: the rest of the world).")
     dp_replicate_size: int = _opt(
-        1, "Strategy tp: data-parallel replicas (HSDP across them); dp_replicate x dp_shard x tp = world size."
+        1, "Strategy tp / cp: data-parallel replicas (HSDP across them); dp_replicate x dp_shard x cp x tp = world size."
     )
     sp_size: int = _opt(1, "Sequence-parallel degree (strategy sp, DeepSpeed Ulysses); the rest of the world is data parallel.")
-    cp_size: int = _opt(1, "Context-parallel degree (torch ring attention; GPU only).")
+    cp_size: int = _opt(1, "Context-parallel degree (strategy cp): every sequence split over cp ranks, torch ring attention.")
     grad_compression: str = _opt("none", "Gradient compression hook for DDP.", choices=list(COMPRESSIONS))
     powersgd_rank: int = _opt(4, "PowerSGD: rank of the low-rank approximation.")
     powersgd_warmup_steps: int = _opt(10, "PowerSGD: uncompressed steps before compression starts.")

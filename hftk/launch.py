@@ -12,7 +12,7 @@ FSDP``) sets ``ACCELERATE_USE_FSDP`` and the ``zero*.yaml`` files (``DEEPSPEED``
 before any process group exists. hftk then applies FSDP2 itself (accelerate's FSDP type silently
 becomes DDP on CPU), so it takes accelerate's FSDP switch out of the environment. ``ddp.yaml`` and
 ``pipeline.yaml`` share the plain MULTI_GPU launch; pipeline needs ``--strategy pipeline``, and
-``tp.yaml`` / ``sp.yaml`` (the same launch) need ``--strategy tp`` / ``--strategy sp``.
+``tp.yaml`` / ``cp.yaml`` / ``sp.yaml`` (the same launch) need ``--strategy tp`` / ``cp`` / ``sp``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import yaml
 
 from hftk.errors import HftkError
 
-LAUNCH_STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "pipeline", "tp", "sp")
+LAUNCH_STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "pipeline", "tp", "cp", "sp")
 DEEPSPEED_STRATEGIES = ("zero1", "zero2", "zero3", "zero3_offload")
 DEFAULT_OUT = Path("accelerate_configs")
 DEFAULT_STRATEGY = "ddp"  # StrategyConfig.strategy's default: a launch config may override it
@@ -43,6 +43,8 @@ USAGE = {
     "zero3_offload": "DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to CPU memory.",
     "pipeline": "Pipeline stages: add --strategy pipeline --pp_size N (this launch cannot say it itself).",
     "tp": "Tensor parallel x FSDP2: add --strategy tp --tp_size T [--dp_shard_size -1] (this launch cannot say it).",
+    "cp": "Ring-attention context parallel (x TP x FSDP2): add --strategy cp --cp_size C [--tp_size T] (this launch "
+          "cannot say it).",
     "sp": "Ulysses sequence parallel: add --strategy sp --sp_size S (this launch cannot say it itself).",
 }
 

@@ -37,7 +37,7 @@ from hftk.errors import HftkError
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_NAME = "default"  # PEFT's name for the one adapter get_peft_model creates
-# Strategies whose engines train a PeftModel; tp / sp shard the linear layers LoRA wraps.
+# Strategies whose engines train a PeftModel; tp / cp / sp shard the linear layers LoRA wraps.
 SUPPORTED_STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "pipeline", "auto")
 _ATTENTION_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # model_type -> the attention and MLP projections (GPT-2's c_proj names both attention and MLP outputs).

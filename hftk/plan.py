@@ -341,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(FSDP2 over the other ranks; strategy tp)")
     p.add_argument("--sp_size", type=_positive(int), default=1, help="also show Ulysses sequence parallel of this "
                    "degree (strategy sp)")
+    p.add_argument("--cp_size", type=_positive(int), default=1, help="also show ring-attention context parallel of "
+                   "this degree (strategy cp, with --tp_size when given; FSDP2 over the other ranks)")
     p.add_argument("--device", choices=["gpu", "cpu"], default=None,
                    help="what a rank's memory is (default: gpu when one is present, else cpu)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -382,7 +384,7 @@ def plan_command(argv: list[str]) -> int:
     chosen = pick(plans)
     from hftk.strategies.tensor import plan_rows
 
-    plans += plan_rows(model_config, shape, inputs, args.tp_size, args.sp_size)
+    plans += plan_rows(model_config, shape, inputs, args.tp_size, args.sp_size, args.cp_size)
     if args.json:
         print(json.dumps({"shape": dataclasses.asdict(shape), "inputs": dataclasses.asdict(inputs),
                           "plans": [p.to_dict() for p in plans], "pick": chosen.strategy if chosen else None}))

@@ -79,19 +79,14 @@ def check_config(cfg: RunConfig) -> None:
 
 
 def _check_parallel_degrees(cfg: RunConfig) -> None:
-    """A tensor/sequence/context-parallel degree only means something to the strategy that applies it."""
+    """A tensor/sequence/context-parallel degree only means something to the strategies that apply it."""
     s = cfg.strategy
-    if s.cp_size > 1:
-        if not torch.cuda.is_available():
-            raise HftkError("strategy.cp_size", "context parallel needs GPU attention kernels: torch's ring attention "
-                            "is registered only for the flash / efficient / cuDNN SDPA kernels, not the CPU one.",
-                            "split long sequences with strategy sp (DeepSpeed Ulysses, runs on CPU), or set cp_size 1.")
-        raise HftkError("strategy.cp_size", "context parallel (torch ring attention) is not supported by hftk yet.",
-                        "split long sequences with strategy sp (DeepSpeed Ulysses), or set cp_size 1.")
-    for name, owner in (("tp_size", "tp"), ("dp_replicate_size", "tp"), ("sp_size", "sp"), ("pp_size", "pipeline")):
-        if getattr(s, name) != 1 and s.strategy != owner:
+    owners = {"tp_size": ("tp", "cp"), "dp_replicate_size": ("tp", "cp"), "cp_size": ("cp",), "sp_size": ("sp",),
+              "pp_size": ("pipeline",)}
+    for name, strategies in owners.items():
+        if getattr(s, name) != 1 and s.strategy not in strategies:
             raise HftkError(f"strategy.{name}", f"is {getattr(s, name)} but strategy {s.strategy} does not use it.",
-                            f"pass --strategy {owner}, or leave {name} at 1.")
+                            f"pass --strategy {' or '.join(strategies)}, or leave {name} at 1.")
 
 
 def _check_output_dir(cfg: RunConfig) -> None:

@@ -1,4 +1,4 @@
-"""Tensor and sequence parallel over gloo: real sharding, parity with one process, exact resume, export.
+"""Tensor, context and sequence parallel over gloo: real sharding, parity with one process, exact resume, export.
 
 Every multi-process configuration runs once (module-scoped fixtures); the single-process
 references are the same strategies at degree 1 on one process, i.e. the plain model.
@@ -86,6 +86,20 @@ def tp_fsdp(root):
     """2 tensor-parallel x 2 FSDP2 ranks: each FSDP rank reads half of the same global batch of 4."""
     return _run(root, "tp_fsdp", 4, [*LLAMA, "--strategy", "tp", "--tp_size", "2", "--dp_shard_size", "2",
                                      "--per_device_train_batch_size", "2"])
+
+
+@pytest.fixture(scope="module")
+def llama_cp(root):
+    """Ring-attention context parallel: each of 2 ranks holds half of every sequence (FSDP2 over cp)."""
+    return _run(root, "llama_cp", 2, [*LLAMA, "--strategy", "cp", "--cp_size", "2", "--per_device_train_batch_size", "4",
+                                      "--save_strategy", "steps", "--save_steps", "3"])
+
+
+@pytest.fixture(scope="module")
+def gpt2_cp_tp(root):
+    """CP=2 x TP=2 on 4 ranks: GPT-2's converted q/k/v split by heads, its sequences over the ring."""
+    return _run(root, "gpt2_cp_tp", 4, [*GPT2, "--strategy", "cp", "--cp_size", "2", "--tp_size", "2",
+                                        "--per_device_train_batch_size", "4"])
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +198,26 @@ def test_sp2_ulysses_trains_like_one_process(llama_ref, sp_run):
     assert _eval_loss(sp_run) == pytest.approx(_eval_loss(llama_ref), abs=TOL)
 
 
+@pytest.mark.slow
+def test_cp2_ring_attention_trains_like_one_process(llama_ref, llama_cp):
+    layout = _layout(llama_cp)
+    assert (layout["layout"]["world_size"], layout["layout"]["cp_size"], layout["layout"]["tp_size"]) == (2, 2, 1)
+    q = layout["local_shapes"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q["full"] == [64, 64] and q["local"] == [32, 64] and q["placements"] == ["S(0)"]  # FSDP2 over cp
+    _assert_same_training(llama_ref, llama_cp)
+    assert _eval_loss(llama_cp) == pytest.approx(_eval_loss(llama_ref), abs=TOL)
+
+
+@pytest.mark.slow
+def test_cp2_x_tp2_on_four_ranks_trains_like_one_process(gpt2_ref, gpt2_cp_tp):
+    layout = _layout(gpt2_cp_tp)
+    assert (layout["layout"]["world_size"], layout["layout"]["cp_size"], layout["layout"]["tp_size"]) == (4, 2, 2)
+    q = layout["local_shapes"]["transformer.h.0.attn.c_attn.q.weight"]
+    assert q["full"] == [64, 64] and q["local"] == [16, 64] and len(q["placements"]) == 2  # 2-D: FSDP(cp) x TP
+    _assert_same_training(gpt2_ref, gpt2_cp_tp)
+    assert _eval_loss(gpt2_cp_tp) == pytest.approx(_eval_loss(gpt2_ref), abs=TOL)
+
+
 # ---------------------------------------------------------------- checkpoints and export
 
 
@@ -191,20 +225,23 @@ def _resume(checkpoint, out, nproc: int, layout: list[str]):
     """A new run folder holding only ``checkpoint``, continued to the end with ``layout``."""
     out.mkdir()
     shutil.copytree(checkpoint, out / checkpoint.name)
-    finetune(nproc, [*COMMON, *LLAMA, "--strategy", "tp", *layout, "--output_dir", str(out),
-                     "--resume_from_checkpoint", "latest"], timeout=600)
+    finetune(nproc, [*COMMON, *LLAMA, *layout, "--output_dir", str(out), "--resume_from_checkpoint", "latest"],
+             timeout=600)
     return out
 
 
 @pytest.mark.slow
-def test_resume_under_tp_is_exact(llama_tp, tmp_path):
-    resumed = _resume(llama_tp / "checkpoint-3", tmp_path / "resumed", 2,
-                      ["--tp_size", "2", "--per_device_train_batch_size", "4"])
-    full, after = losses(llama_tp), losses(resumed)
+@pytest.mark.parametrize("run,layout", [("llama_tp", ["--strategy", "tp", "--tp_size", "2"]),
+                                        ("llama_cp", ["--strategy", "cp", "--cp_size", "2"])])
+def test_resume_under_tp_or_cp_is_exact(request, run, layout, tmp_path):
+    full_run = request.getfixturevalue(run)
+    resumed = _resume(full_run / "checkpoint-3", tmp_path / "resumed", 2,
+                      [*layout, "--per_device_train_batch_size", "4"])
+    full, after = losses(full_run), losses(resumed)
     assert sorted(after) == [4, 5]
     for step in after:
         assert after[step] == pytest.approx(full[step], abs=1e-6), step
-    assert max_weight_diff(load_weights(llama_tp / "final"), load_weights(resumed / "final")) < 1e-6
+    assert max_weight_diff(load_weights(full_run / "final"), load_weights(resumed / "final")) < 1e-6
 
 
 @pytest.mark.slow
@@ -237,8 +274,8 @@ def test_memory_per_rank_shrinks_with_the_mesh(llama_ref, llama_tp, tp_fsdp):
 
 
 @pytest.mark.slow
-def test_memory_plan_predicts_the_counted_model_state(llama_tp, tp_fsdp, sp_run):
-    """`hftk plan --tp_size / --sp_size` rows (from the config alone) equal what each rank counted."""
+def test_memory_plan_predicts_the_counted_model_state(llama_tp, tp_fsdp, sp_run, llama_cp):
+    """`hftk plan --tp_size / --sp_size / --cp_size` rows (from the config alone) equal what each rank counted."""
     from hftk.builtin import builtin_model_config
     from hftk.plan import PlanInputs, model_shape
     from hftk.strategies import sequence, tensor, tp_plans
@@ -247,7 +284,8 @@ def test_memory_plan_predicts_the_counted_model_state(llama_tp, tp_fsdp, sp_run)
     shape, replicated = model_shape(config), tp_plans.replicated_params(config)
     for run, world, estimate in [(llama_tp, 2, lambda i: tensor.estimate_memory(shape, i, 2, replicated)),
                                  (tp_fsdp, 4, lambda i: tensor.estimate_memory(shape, i, 2, replicated)),
-                                 (sp_run, 2, lambda i: sequence.estimate_memory(shape, i, 2))]:
+                                 (sp_run, 2, lambda i: sequence.estimate_memory(shape, i, 2)),
+                                 (llama_cp, 2, lambda i: tensor.estimate_memory(shape, i, 1, replicated, cp=2))]:
         plan = estimate(PlanInputs(world_size=world, device_memory_bytes=2**34, seq_len=64, micro_batch=4, device="cpu"))
         for rank in next(m["memory"] for m in metrics(run) if "memory" in m):
             assert (plan.params, plan.grads, plan.optimizer) == (rank["params"], rank["grads"], rank["optimizer"]), run
@@ -257,7 +295,8 @@ def test_memory_plan_predicts_the_counted_model_state(llama_tp, tp_fsdp, sp_run)
 def test_a_tp_checkpoint_resumes_on_a_3d_mesh(llama_tp, tmp_path):
     """TP=2 checkpoint -> dp_replicate 2 x dp_shard 1 x tp 2 (HSDP x TP, 4 ranks; DCP reshards), same global batch."""
     resumed = _resume(llama_tp / "checkpoint-3", tmp_path / "resumed3d", 4,
-                      ["--tp_size", "2", "--dp_replicate_size", "2", "--per_device_train_batch_size", "2"])
+                      ["--strategy", "tp", "--tp_size", "2", "--dp_replicate_size", "2",
+                       "--per_device_train_batch_size", "2"])
     q = _layout(resumed)["local_shapes"]["model.layers.0.self_attn.q_proj.weight"]
     assert len(q["placements"]) == 3 and q["local"] == [32, 64]  # replicated x (1-way) sharded x TP
     full, after = losses(llama_tp), losses(resumed)
@@ -277,8 +316,8 @@ def test_export_of_a_tp_checkpoint_equals_the_reference(llama_ref, llama_tp, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama", "gpt2"])
-def test_final_folder_reloads_with_from_pretrained_and_gives_the_reference_eval_loss(request, model, tmp_path):
+@pytest.mark.parametrize("model,run", [("llama", "llama_tp"), ("gpt2", "gpt2_tp"), ("llama", "llama_cp")])
+def test_final_folder_reloads_with_from_pretrained_and_gives_the_reference_eval_loss(request, model, run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from hftk.data import tokenize_and_pack
@@ -286,7 +325,7 @@ def test_final_folder_reloads_with_from_pretrained_and_gives_the_reference_eval_
     from hftk.modeling import load_tokenizer
     from hftk.run import prepare
 
-    ref, run = request.getfixturevalue(f"{model}_ref"), request.getfixturevalue(f"{model}_tp")
+    ref, run = request.getfixturevalue(f"{model}_ref"), request.getfixturevalue(run)
     prepared = prepare([*TINY_ARGS, *(LLAMA if model == "llama" else GPT2), "--output_dir", str(tmp_path / "x")])
     data = tokenize_and_pack(prepared.cfg.data, prepared.raw, load_tokenizer(prepared.cfg.model),
                              prepared.data_format, prepared.cfg.training["seed"])
@@ -327,12 +366,15 @@ def test_gpt2_linear_conversion_keeps_outputs_and_maps_back_exactly():
 
 
 @pytest.fixture()
-def opt_folder(tmp_path):
-    from transformers import OPTConfig
+def config_folders(tmp_path):
+    """Model configs (no weights: validation reads only the config) hftk must refuse for some layouts."""
+    from transformers import MistralConfig, OPTConfig
 
     OPTConfig(vocab_size=2048, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
               max_position_embeddings=256).save_pretrained(tmp_path / "opt")
-    return tmp_path / "opt"
+    MistralConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, sliding_window=32).save_pretrained(tmp_path / "mistral")
+    return {"opt": tmp_path / "opt", "mistral": tmp_path / "mistral"}
 
 
 ERRORS = [
@@ -344,7 +386,20 @@ ERRORS = [
     ("tp_with_sp", 4, [*LLAMA, "--strategy", "tp", "--tp_size", "2", "--sp_size", "2"], "strategy.sp_size", "strategy tp"),
     ("sp_with_tp", 4, [*LLAMA, "--strategy", "sp", "--sp_size", "2", "--tp_size", "2"], "strategy.tp_size", "strategy sp"),
     ("tp_size_needs_tp", 2, ["--tp_size", "2"], "strategy.tp_size", "--strategy tp"),
-    ("cp_on_cpu", 2, ["--cp_size", "2"], "strategy.cp_size", "GPU"),
+    ("cp_size_needs_cp", 2, ["--cp_size", "2"], "strategy.cp_size", "--strategy cp"),
+    ("cp_size_one", 1, [*LLAMA, "--strategy", "cp"], "strategy.cp_size", "2 or more"),
+    ("cp_mesh_not_world", 4, [*LLAMA, "--strategy", "cp", "--cp_size", "2", "--tp_size", "4"], "strategy.cp_size",
+     "world size"),
+    ("cp_block", 2, [*LLAMA, "--strategy", "cp", "--cp_size", "2", "--block_size", "66"], "data.block_size",
+     "4 equal chunks"),
+    ("cp_dropout_on_cpu", 2, [*LLAMA, "--strategy", "cp", "--cp_size", "2", "--model_dropout", "0.1"],
+     "model.model_dropout", "dropout"),
+    ("cp_padding", 2, [*LLAMA, "--strategy", "cp", "--cp_size", "2", "--packing", "false"], "data.packing",
+     "padding"),
+    ("cp_eager", 2, [*LLAMA, "--strategy", "cp", "--cp_size", "2", "--attn_implementation", "eager"],
+     "model.attn_implementation", "sdpa"),
+    ("cp_sliding_window", 2, ["--model_name_or_path", "{mistral}", "--strategy", "cp", "--cp_size", "2"],
+     "model.model_name_or_path", "sliding_attention"),
     ("tp_unsupported_option", 2, [*LLAMA, "--strategy", "tp", "--tp_size", "2", "--gradient_checkpointing"],
      "training.gradient_checkpointing", "supported"),
     ("tp_lora", 2, [*LLAMA, "--strategy", "tp", "--tp_size", "2", "--lora_r", "8"], "model.lora_r", "LoRA"),
@@ -357,7 +412,7 @@ ERRORS = [
 
 
 @pytest.mark.parametrize("case_id,world,args,field,words", ERRORS, ids=[e[0] for e in ERRORS])
-def test_bad_layouts_fail_in_one_line_before_any_process_group(case_id, world, args, field, words, opt_folder,
+def test_bad_layouts_fail_in_one_line_before_any_process_group(case_id, world, args, field, words, config_folders,
                                                               tmp_path, monkeypatch, capsys):
     import torch.distributed as dist
 
@@ -365,12 +420,36 @@ def test_bad_layouts_fail_in_one_line_before_any_process_group(case_id, world, a
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     out = tmp_path / "out"
-    args = [a.replace("{opt}", str(opt_folder)) for a in args]
+    args = [a.format(**config_folders) for a in args]
     assert main(["--output_dir", str(out), *args]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Setting accelerator" not in line]
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"hftk: error: {field}:") and words in lines[0] and "Fix:" in lines[0], lines[0]
     assert not dist.is_initialized() and not out.exists()
+
+
+# ---------------------------------------------------------------- context-parallel shards (in-process)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_cp_shards_cover_each_sequence_once_in_the_layout_torch_ring_attention_assumes(cp):
+    """hftk cuts sequences itself; torch's ring attention assumes its own head-tail balancer's layout."""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    from hftk.strategies.context import head_tail_indices, shard_sequences
+
+    seq = 8 * cp
+    torch_order = _HeadTailLoadBalancer(seq, cp, "cpu")._generate_indices(restore=False).flatten()
+    ours = torch.cat([head_tail_indices(seq, cp, rank) for rank in range(cp)])
+    assert torch.equal(ours, torch_order)
+    assert sorted(ours.tolist()) == list(range(seq))
+    ids = torch.arange(2 * seq).view(2, seq)
+    batch = {"input_ids": ids, "position_ids": ids % seq, "shift_labels": ids + 1,
+             "attention_mask": torch.ones_like(ids)}
+    local = shard_sequences(batch, cp, 1)
+    assert set(local) == {"input_ids", "position_ids", "shift_labels"}  # the mask is dropped: attention is causal
+    assert local["input_ids"].shape == (2, seq // cp)
+    assert torch.equal(local["shift_labels"], local["input_ids"] + 1)  # labels travel with their tokens
 
 
 # ---------------------------------------------------------------- loop rules (in-process, one rank)
@@ -425,7 +504,9 @@ def test_a_nonfinite_gradient_drops_the_update_and_a_signal_is_agreed(one_rank_g
     assert not optimizer.state and scheduler.last_epoch == 1  # no update, but the schedule advanced
 
 
-def test_hftk_plan_shows_tp_and_sp_rows(capsys):
+def test_hftk_plan_shows_tp_sp_and_cp_rows(capsys):
+    import json
+
     from hftk.errors import HftkError
     from hftk.plan import plan_command
 
@@ -433,8 +514,16 @@ def test_hftk_plan_shows_tp_and_sp_rows(capsys):
     assert plan_command([*base, "--tp_size", "2", "--sp_size", "4"]) == 0
     rows = {line.split("  ")[0].strip() for line in capsys.readouterr().out.splitlines()}
     assert {"tp2 x fsdp2", "sp4", "ddp"} <= rows
+    long = ["--model", "builtin:llama-tiny", "--world_size", "4", "--device_memory", "1", "--seq_len", "256", "--json"]
+    assert plan_command([*long, "--cp_size", "4"]) == 0
+    plans = {p["strategy"]: p for p in json.loads(capsys.readouterr().out)["plans"]}
+    # 1/4 of every sequence per rank: less activation memory than FSDP2 over the same 4 ranks, same model state
+    assert plans["cp4"]["activations"] < plans["fsdp"]["activations"] / 3
+    assert plans["cp4"]["params"] == plans["fsdp"]["params"]
     with pytest.raises(HftkError, match="--tp_size"):
         plan_command([*base, "--tp_size", "3"])
+    with pytest.raises(HftkError, match="--cp_size"):
+        plan_command([*base, "--cp_size", "2", "--tp_size", "4"])
 
 
 def test_replicated_parameters_are_the_ones_no_plan_splits():

@@ -26,10 +26,12 @@ from hftk.plan import MIB, PLAN_STRATEGIES, StrategyPlan
 DEFAULT_MODEL = "builtin:gpt2-90m"
 SHARDED_TARGET = 0.65  # fsdp and zero3 peak at most this fraction of ddp's (issue 3)
 PLAN_TARGET = 0.25  # the plan's peak within this fraction of the measured one
-# Rows that are a layout of strategy tp (hftk's mesh loop): the hftk train options of each.
+# Rows that are a layout of strategy tp / cp (hftk's mesh loop): the hftk train options of each.
 MESH_ROWS = {
     "tp": lambda nproc: ["--strategy", "tp", "--tp_size", str(nproc)],
     "tp_fsdp": lambda nproc: ["--strategy", "tp", "--tp_size", "2", "--dp_shard_size", "-1"],
+    # The CPU ring attention has no dropout kernel: cp trains without dropout (its memory is not counted anyway).
+    "cp": lambda nproc: ["--strategy", "cp", "--cp_size", str(nproc), "--model_dropout", "0"],
 }
 
 OPTION_HELP = {
@@ -39,7 +41,7 @@ OPTION_HELP = {
     "micro_batch": "sequences per rank per step",
     "steps": "optimizer steps per run (the second is counted)",
     "strategies": "comma-separated strategies, run in this order (also tp: TP over all ranks; tp_fsdp: TP=2 x "
-                  "FSDP2 over the rest, 4 ranks or more)",
+                  "FSDP2 over the rest, 4 ranks or more; cp: ring-attention context parallel over all ranks)",
     "timeout": "seconds before a launch is killed",
 }
 
@@ -103,6 +105,8 @@ def estimate_mesh(name: str, model_config: Any, shape: Any, inputs: Any) -> Stra
     from hftk.strategies.tensor import estimate_memory
     from hftk.strategies.tp_plans import replicated_params
 
+    if name == "cp":
+        return estimate_memory(shape, inputs, 1, replicated_params(model_config), cp=inputs.world_size)
     tp = inputs.world_size if name == "tp" else 2
     return estimate_memory(shape, inputs, tp, replicated_params(model_config))
 

@@ -16,8 +16,8 @@ Every strategy module answers the same questions with plain functions (no base c
   ``transformers.Trainer`` when the strategy owns model/optimizer I/O (FSDP2's DTensor shards).
 
 A strategy whose layout the HF Trainer cannot drive names its engine module under
-``hftk.engine`` in ``ENGINE`` (default ``"trainer"``). Tensor and sequence parallel (``tp``,
-``sp``) set ``ENGINE = "mesh_loop"`` and answer ``validate`` plus
+``hftk.engine`` in ``ENGINE`` (default ``"trainer"``). Tensor, context and sequence parallel
+(``tp``, ``cp``, ``sp``) set ``ENGINE = "mesh_loop"`` and answer ``validate`` plus
 ``layout(model, cfg, device_type) -> MeshLayout`` (see :mod:`hftk.engine.mesh_loop`) instead of
 the Trainer hooks. Pipeline (``pipeline``) sets ``ENGINE = "loop"`` (:mod:`hftk.engine.loop`:
 the Trainer's own state, callbacks, optimizer and scheduler around a pipeline schedule).
@@ -38,6 +38,7 @@ MODULES = {
     "zero3": "hftk.strategies.deepspeed",
     "zero3_offload": "hftk.strategies.deepspeed",
     "tp": "hftk.strategies.tensor",
+    "cp": "hftk.strategies.tensor",
     "sp": "hftk.strategies.sequence",
     "pipeline": "hftk.strategies.pipeline",
 }
