@@ -307,12 +307,13 @@ def test_a_tp_checkpoint_resumes_on_a_3d_mesh(llama_tp, tmp_path):
 
 
 @pytest.mark.slow
-def test_export_of_a_tp_checkpoint_equals_the_reference(llama_ref, llama_tp, tmp_path):
+def test_export_of_tp_and_cp_checkpoints_equals_the_reference(llama_ref, llama_tp, llama_cp, tmp_path):
     from hftk.export import main as export_main
 
-    assert export_main([str(llama_tp / "checkpoint-3"), str(tmp_path / "tp")]) == 0
     assert export_main([str(llama_ref / "checkpoint-3"), str(tmp_path / "ref")]) == 0
-    assert max_weight_diff(load_weights(tmp_path / "ref"), load_weights(tmp_path / "tp")) < TOL
+    for name, run in (("tp", llama_tp), ("cp", llama_cp)):
+        assert export_main([str(run / "checkpoint-3"), str(tmp_path / name)]) == 0
+        assert max_weight_diff(load_weights(tmp_path / "ref"), load_weights(tmp_path / name)) < TOL, name
 
 
 @pytest.mark.slow
@@ -450,6 +451,22 @@ def test_cp_shards_cover_each_sequence_once_in_the_layout_torch_ring_attention_a
     assert set(local) == {"input_ids", "position_ids", "shift_labels"}  # the mask is dropped: attention is causal
     assert local["input_ids"].shape == (2, seq // cp)
     assert torch.equal(local["shift_labels"], local["input_ids"] + 1)  # labels travel with their tokens
+
+
+def test_cp_on_a_torch_without_the_ring_internals_fails_by_name(monkeypatch, tmp_path):
+    from hftk.builtin import builtin_model_config
+    from hftk.config import load_config
+    from hftk.errors import HftkError
+    from hftk.strategies import context
+
+    cfg = load_config([*LLAMA, "--strategy", "cp", "--cp_size", "2", "--output_dir", str(tmp_path / "x")])
+
+    def older_torch():
+        raise ImportError("No module named 'torch.distributed.tensor.experimental._context_parallel'")
+
+    monkeypatch.setattr(context, "_ring_module", older_torch)
+    with pytest.raises(HftkError, match="strategy.cp_size.*ring-attention internals"):
+        context.validate(cfg, builtin_model_config("builtin:llama-tiny"), 2, "cuda")
 
 
 # ---------------------------------------------------------------- loop rules (in-process, one rank)

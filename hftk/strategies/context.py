@@ -57,7 +57,11 @@ def validate(cfg: RunConfig, model_config: Any, cp: int, device: str) -> None:
         raise HftkError("model.model_name_or_path", f"{kinds} layers need a mask stricter than causal, which ring "
                         "attention cannot apply (dropping it would train a different model).",
                         "use strategy sp or tp for this model, or a model with full causal attention.")
-    missing = [name for name in RING_INTERNALS if not hasattr(_ring_module(), name)]
+    try:
+        ring = _ring_module()
+    except ImportError:
+        ring = None
+    missing = [name for name in RING_INTERNALS if not hasattr(ring, name)]
     if missing:
         raise HftkError("strategy.cp_size", f"torch {torch.__version__} lacks the ring-attention internals hftk "
                         f"drives ({', '.join(missing)}).", "install torch 2.13 or newer, or use strategy sp.")
@@ -68,6 +72,7 @@ def validate(cfg: RunConfig, model_config: Any, cp: int, device: str) -> None:
 
 
 def _ring_module() -> Any:
+    """torch's ring-attention module (private: :func:`validate` checks the names hftk uses)."""
     from torch.distributed.tensor.experimental._context_parallel import _attention
 
     return _attention

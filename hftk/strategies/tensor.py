@@ -64,11 +64,9 @@ def mesh_shape(cfg: RunConfig, world_size: int) -> tuple[int, int, int, int]:
 
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Mesh sizes, model plan and divisibility, and the options this layout supports, before any process group."""
-    from hftk.engine.mesh_loop import check_training_options
+    from hftk.engine.mesh_loop import check_training_options, device_type
     from hftk.modeling import load_model_config
     from hftk.strategies import tp_plans
-
-    import torch
 
     from hftk.strategies import context
 
@@ -93,7 +91,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         tp_plans.block_plan(model_config)
         tp_plans.check_divisible(model_config, tp)
     if cp > 1:
-        context.validate(cfg, model_config, cp, "cuda" if torch.cuda.is_available() else "cpu")
+        context.validate(cfg, model_config, cp, device_type(cfg))
 
 
 def shard_data_parallel(model: Any, mesh: Any, reshard_after_forward: bool) -> None:
