@@ -97,9 +97,18 @@ def llama_cp(root):
 
 @pytest.fixture(scope="module")
 def gpt2_cp_tp(root):
-    """CP=2 x TP=2 on 4 ranks: GPT-2's converted q/k/v split by heads, its sequences over the ring."""
+    """CP=2 x TP=2 on 4 ranks: GPT-2's converted q/k/v split by heads, its sequences over the ring, and every
+    block recomputed in backward (activation checkpointing is exact: compared with a run without it)."""
     return _run(root, "gpt2_cp_tp", 4, [*GPT2, "--strategy", "cp", "--cp_size", "2", "--tp_size", "2",
-                                        "--per_device_train_batch_size", "4"])
+                                        "--per_device_train_batch_size", "4", "--gradient_checkpointing"])
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(root):
+    """``--bf16`` (autocast, fp32 weights): one process, and CP=2 on 2 ranks."""
+    args = [*LLAMA, "--bf16", "--per_device_train_batch_size", "4"]
+    return (_run(root, "llama_bf16_ref", 1, [*args, "--strategy", "tp"]),
+            _run(root, "llama_bf16_cp", 2, [*args, "--strategy", "cp", "--cp_size", "2"]))
 
 
 @pytest.fixture(scope="module")
@@ -209,13 +218,27 @@ def test_cp2_ring_attention_trains_like_one_process(llama_ref, llama_cp):
 
 
 @pytest.mark.slow
-def test_cp2_x_tp2_on_four_ranks_trains_like_one_process(gpt2_ref, gpt2_cp_tp):
+def test_cp2_x_tp2_with_activation_checkpointing_on_four_ranks_trains_like_one_process(gpt2_ref, gpt2_cp_tp):
     layout = _layout(gpt2_cp_tp)
     assert (layout["layout"]["world_size"], layout["layout"]["cp_size"], layout["layout"]["tp_size"]) == (4, 2, 2)
+    assert layout["layout"]["activation_checkpointing"] and not _layout(gpt2_ref)["layout"]["activation_checkpointing"]
     q = layout["local_shapes"]["transformer.h.0.attn.c_attn.q.weight"]
     assert q["full"] == [64, 64] and q["local"] == [16, 64] and len(q["placements"]) == 2  # 2-D: FSDP(cp) x TP
     _assert_same_training(gpt2_ref, gpt2_cp_tp)
     assert _eval_loss(gpt2_cp_tp) == pytest.approx(_eval_loss(gpt2_ref), abs=TOL)
+
+
+@pytest.mark.slow
+def test_bf16_autocast_under_cp_matches_one_process_in_bf16(llama_ref, bf16_runs):
+    ref, cp = bf16_runs
+    assert _layout(cp)["layout"]["bf16"] and not _layout(llama_ref)["layout"]["bf16"]
+    fp32, bf16, ring = losses(llama_ref), losses(ref), losses(cp)
+    assert sorted(ring) == list(range(1, STEPS + 1))
+    assert max(abs(bf16[s] - fp32[s]) for s in fp32) > 1e-5  # autocast really computes in bf16
+    assert max(abs(ring[s] - fp32[s]) for s in fp32) > 1e-5
+    for step in bf16:  # bf16 rounding (seen: 1.6e-4); a ring that missed a block would be off by far more
+        assert ring[step] == pytest.approx(bf16[step], abs=1e-3), step
+    assert _eval_loss(cp) == pytest.approx(_eval_loss(ref), abs=1e-3)
 
 
 # ---------------------------------------------------------------- checkpoints and export
@@ -401,8 +424,8 @@ ERRORS = [
      "model.attn_implementation", "sdpa"),
     ("cp_sliding_window", 2, ["--model_name_or_path", "{mistral}", "--strategy", "cp", "--cp_size", "2"],
      "model.model_name_or_path", "sliding_attention"),
-    ("tp_unsupported_option", 2, [*LLAMA, "--strategy", "tp", "--tp_size", "2", "--gradient_checkpointing"],
-     "training.gradient_checkpointing", "supported"),
+    ("tp_unsupported_option", 2, [*LLAMA, "--strategy", "tp", "--tp_size", "2", "--torch_compile"],
+     "training.torch_compile", "supported"),
     ("tp_lora", 2, [*LLAMA, "--strategy", "tp", "--tp_size", "2", "--lora_r", "8"], "model.lora_r", "LoRA"),
     ("sp_world", 3, [*LLAMA, "--strategy", "sp", "--sp_size", "2"], "strategy.sp_size", "world size"),
     ("sp_eager", 2, [*LLAMA, "--strategy", "sp", "--sp_size", "2", "--attn_implementation", "eager"],

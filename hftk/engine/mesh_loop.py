@@ -52,7 +52,8 @@ SUPPORTED_TRAINING = {
     "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
     "max_grad_norm", "lr_scheduler_type", "warmup_steps", "num_train_epochs", "max_steps", "logging_steps",
     "eval_strategy", "eval_steps", "save_strategy", "save_steps", "save_total_limit", "seed", "resume_from_checkpoint",
-    "report_to", "ddp_timeout", "disable_tqdm", "optim", "use_cpu",
+    "report_to", "ddp_timeout", "disable_tqdm", "optim", "use_cpu", "bf16", "gradient_checkpointing",
+    "activation_checkpointing",
     "push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo",
     # DDP / DataLoader options that have nothing to act on in this loop (set by hftk's defaults).
     "ddp_find_unused_parameters", "dataloader_num_workers",
@@ -77,6 +78,7 @@ class MeshLayout:
     shard_batch: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda batch: batch
     loss_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     reduce_grads: Callable[[], None] = lambda: None
+    autocast_dtype: torch.dtype | None = None  # training.bf16: forwards under autocast, fp32 weights and optimizer
 
 
 def check_training_options(cfg: Any, strategy: str) -> None:
@@ -229,10 +231,17 @@ def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum of next-token cross-entropy over this rank's target tokens (logits may be vocabulary-sharded)."""
+def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None = None
+             ) -> torch.Tensor:
+    """Sum of next-token cross-entropy over this rank's target tokens (logits may be vocabulary-sharded).
+
+    ``autocast_dtype``: the forward runs under autocast to it (the Trainer's ``--bf16``); the
+    loss is computed in fp32 either way.
+    """
     inputs = {k: v for k, v in batch.items() if k != "shift_labels"}
-    logits = model(**inputs, use_cache=False).logits
+    device = batch["input_ids"].device.type
+    with torch.autocast(device, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        logits = model(**inputs, use_cache=False).logits
     return F.cross_entropy(logits.flatten(0, 1).float(), batch["shift_labels"].flatten(), reduction="sum",
                            ignore_index=IGNORE_INDEX)
 
@@ -255,7 +264,7 @@ def train_step(layout: MeshLayout, micro_batches: list[dict[str, torch.Tensor]],
     for i, batch in enumerate(local):
         set_gradient_sync(model, i == len(local) - 1)
         with layout.loss_context():
-            summed = loss_sum(model, batch)
+            summed = loss_sum(model, batch, layout.autocast_dtype)
             (summed * (layout.grad_scale / tokens.item())).backward()
         total += plain(summed.detach()).to(torch.float64)
     loss = float(all_reduce_sum(total, layout.data_groups) / tokens)
@@ -294,7 +303,7 @@ def evaluate(layout: MeshLayout, dataset: Any, batch_size: int, device: str) -> 
             batch["shift_labels"].fill_(IGNORE_INDEX)
         batch = layout.shard_batch(batch)
         with layout.loss_context():
-            total += plain(loss_sum(model, batch)).to(torch.float64)
+            total += plain(loss_sum(model, batch, layout.autocast_dtype)).to(torch.float64)
         tokens += token_count(batch)
     all_reduce_sum(total, layout.data_groups)
     all_reduce_sum(tokens, layout.data_groups)
@@ -390,7 +399,14 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     seed = t.get("seed", 42)
     set_seed(seed)
     tokenizer, data = load_data(prepared, SimpleNamespace(seed=seed, main_process_first=main_process_first))
-    layout = strategies.get(cfg.strategy.strategy).layout(load_model(cfg.model).to(device), cfg, kind)
+    model = load_model(cfg.model).to(device)
+    if t.get("gradient_checkpointing") or t.get("activation_checkpointing"):
+        # each decoder block recomputed in backward; non-reentrant, the form FSDP2 and DTensors support
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    layout = strategies.get(cfg.strategy.strategy).layout(model, cfg, kind)
+    layout = dataclasses.replace(layout, autocast_dtype=torch.bfloat16 if t.get("bf16") else None,
+                                 describe={**layout.describe, "bf16": bool(t.get("bf16")),
+                                           "activation_checkpointing": model.is_activation_checkpointing})
     own_storage(layout.model)
     optimizer = build_optimizer(layout.model, t)
 

@@ -114,9 +114,8 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from hftk.engine.mesh_loop import MeshLayout
-    from hftk.strategies.tp_plans import apply_tensor_parallel
-
     from hftk.strategies import context
+    from hftk.strategies.tp_plans import apply_tensor_parallel
 
     replicate, shard, cp, tp = mesh_shape(cfg, dist.get_world_size())
     mesh = init_device_mesh(device_type, (replicate, shard, cp, tp), mesh_dim_names=DIMS)
