@@ -46,18 +46,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     if prepared.world_size > 1:
-        _exit_without_teardown(0)
+        exit_without_teardown(0)
     return 0
 
 
-def _exit_without_teardown(code: int) -> None:
+def exit_without_teardown(code: int) -> None:
     """Leave a finished distributed run without the interpreter's C++ teardown.
 
     Everything is saved, pushed and flushed by now, and the engine has destroyed the process
     group; yet now and then a rank still aborted at interpreter exit ("terminate called without
     an active exception", a c10d/gloo thread destroyed while joinable), turning a complete run
     into a launcher failure. Finishing trackers and flushing here, then ``os._exit``, skips only
-    that teardown.
+    that teardown. Every multi-process entry point (``hftk train``, the bench and test workers)
+    leaves through here; never call it from a process that is not its own launch's worker.
     """
     import logging
     import os

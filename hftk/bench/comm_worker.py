@@ -155,4 +155,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from hftk.run import exit_without_teardown
+
+    exit_without_teardown(main())  # skips gloo's teardown abort

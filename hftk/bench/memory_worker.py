@@ -149,4 +149,6 @@ def mesh_memory(prepared: Any, out: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hftk.run import exit_without_teardown
+
+    exit_without_teardown(main())  # skips gloo's teardown abort

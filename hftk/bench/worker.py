@@ -200,9 +200,6 @@ def main(spec_path: str) -> int:
     tmp.write_text(json.dumps({"rank": rank, **result}))
     tmp.rename(out / f"rank{rank}.json")  # complete or absent: the launcher watches for these files
     teardown()
-    from hftk.run import _exit_without_teardown
-
-    _exit_without_teardown(0)  # gloo threads now and then abort the interpreter's own teardown
     return 0
 
 
@@ -215,4 +212,6 @@ def teardown() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    from hftk.run import exit_without_teardown
+
+    exit_without_teardown(main(sys.argv[1]))  # gloo threads now and then abort the interpreter's own teardown

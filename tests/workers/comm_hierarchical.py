@@ -89,4 +89,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from hftk.run import exit_without_teardown
+
     main()
+    exit_without_teardown(0)  # skips gloo's teardown abort

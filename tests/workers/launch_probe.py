@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hftk.launch import launcher_strategy
+from hftk.run import exit_without_teardown
 
 backend = "nccl" if torch.cuda.is_available() else "gloo"
 dist.init_process_group(backend)
@@ -17,3 +18,4 @@ found = launcher_strategy(os.environ)
 print("PROBE " + json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": one.item(),
                              "strategy": found[0] if found else None}), flush=True)
 dist.destroy_process_group()
+exit_without_teardown(0)  # skips gloo's teardown abort

@@ -27,4 +27,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from hftk.run import exit_without_teardown
+
+    exit_without_teardown(main(sys.argv[1:]))  # skips gloo's teardown abort
