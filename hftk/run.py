@@ -36,18 +36,28 @@ def prepare(argv: list[str] | None = None) -> PreparedRun:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``scripts/finetune.py`` and ``hftk train``."""
+    import importlib
+
     try:
         prepared = prepare(argv)
-        import importlib
-
-        engine = getattr(strategies.get(prepared.cfg.strategy.strategy), "ENGINE", "trainer")
-        importlib.import_module(f"hftk.engine.{engine}").train(prepared)
     except HftkError as exc:
         print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    engine = getattr(strategies.get(prepared.cfg.strategy.strategy), "ENGINE", "trainer")
+    try:
+        importlib.import_module(f"hftk.engine.{engine}").train(prepared)
+    except HftkError as exc:
+        print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
+        code = EXIT_USAGE
+    except SystemExit as stop:  # an engine's deliberate stop: preemption (75), NaN policy (65)
+        if prepared.world_size == 1:
+            raise
+        code = stop.code if isinstance(stop.code, int) else 1
+    else:
+        code = 0
     if prepared.world_size > 1:
-        exit_without_teardown(0)
-    return 0
+        exit_without_teardown(code)  # the launcher must see this code, not a teardown abort's
+    return code
 
 
 def exit_without_teardown(code: int) -> None:

@@ -42,4 +42,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hftk.run import exit_without_teardown
+
+    exit_without_teardown(main())  # skips gloo's teardown abort
