@@ -111,7 +111,7 @@ def causal_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 
 def use_ring_attention(model: torch.nn.Module) -> None:
-    """Switch ``model`` (and its config, which export later restores) to :data:`ATTENTION`."""
+    """Switch ``model`` to :data:`ATTENTION` (not saved with the config: exported folders load with the default)."""
     register_attention()
     model.set_attn_implementation(ATTENTION)
 
