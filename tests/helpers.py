@@ -114,3 +114,38 @@ def load_weights(folder: Path) -> dict[str, Any]:
 def max_weight_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     assert a.keys() == b.keys(), f"different tensors: {sorted(set(a) ^ set(b))}"
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def wandb_run(output_dir: Path) -> dict[str, Any]:
+    """The offline wandb run under ``output_dir/wandb``, read from its own ``.wandb`` file: history rows
+    and config. That file is a LevelDB-format log (32 KiB blocks, 7-byte record headers) of wandb's
+    protobuf ``Record`` messages after a 7-byte ``:W&B`` header; the SDK no longer ships a reader."""
+    from wandb.proto import wandb_internal_pb2
+
+    runs = sorted(Path(output_dir, "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    data = runs[0].read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    history: list[dict[str, Any]] = []
+    config: dict[str, Any] = {}
+    pos, block, parts = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if left < 7 or kind == 0:  # block trailer / zero padding
+            pos += left
+            continue
+        parts += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST fragment: one record complete
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            if record.HasField("history"):
+                history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                for item in record.history.item})
+            else:  # the config given to wandb.init travels in the run record, later updates in config records
+                update = record.run.config.update if record.HasField("run") else \
+                    record.config.update if record.HasField("config") else []
+                config.update({item.key: json.loads(item.value_json) for item in update})
+    return {"history": history, "config": config}

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.helpers import finetune, load_weights, losses, max_weight_diff, metrics
+from tests.helpers import finetune, load_weights, losses, max_weight_diff, metrics, wandb_run
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -18,7 +18,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
     common = ["--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "4", "--check_sync_steps", "1"]
     single = finetune(1, [*common, "--output_dir", str(root / "single"), "--per_device_train_batch_size", "8"])
-    ddp = finetune(2, [*common, "--output_dir", str(root / "ddp"), "--per_device_train_batch_size", "4"])
+    ddp = finetune(2, [*common, "--output_dir", str(root / "ddp"), "--per_device_train_batch_size", "4",
+                       "--report_to", "wandb"])
     return root, single, ddp
 
 
@@ -30,6 +31,16 @@ def test_world_size_is_two(runs):
     single_epoch = [m["epoch"] for m in metrics(root / "single") if "loss" in m][0]
     ddp_epoch = [m["epoch"] for m in metrics(root / "ddp") if "loss" in m][0]
     assert ddp_epoch == pytest.approx(single_epoch, rel=0.05)
+
+
+def test_wandb_runs_offline_without_a_key_and_records_every_loss(runs):
+    root, _, _ = runs
+    run = wandb_run(root / "ddp")  # one run: rank 0's
+    logged = {row["train/global_step"]: row["train/loss"] for row in run["history"] if "train/loss" in row}
+    assert logged == pytest.approx(losses(root / "ddp"), abs=1e-6)  # hftk's throughput and memory beside it:
+    assert all("train/tokens_per_s" in row and "train/peak_mem_mb_max" in row
+               for row in run["history"] if "train/loss" in row)
+    assert run["config"]["per_device_train_batch_size"] == 4
 
 
 def test_replicas_identical_after_every_step(runs):

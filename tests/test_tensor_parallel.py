@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.faults import TOKEN, hub_env
-from tests.helpers import ROOT, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, metrics, torchrun
+from tests.helpers import (ROOT, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, metrics, torchrun,
+                           wandb_run)
 
 STEPS = 5
 TOL = 1e-5
@@ -73,10 +74,11 @@ def hub():
 
 @pytest.fixture(scope="module")
 def gpt2_tp(root, hub):
-    """Also pushes its final folder to a local stand-in Hub."""
+    """Also pushes its final folder to a local stand-in Hub, and reports to wandb (offline)."""
     out = root / "gpt2_tp"
     finetune(2, [*COMMON, *GPT2, "--output_dir", str(out), "--strategy", "tp", "--tp_size", "2",
-                 "--per_device_train_batch_size", "4", "--push_to_hub", "--hub_model_id", REPO, "--hub_strategy", "end"],
+                 "--per_device_train_batch_size", "4", "--push_to_hub", "--hub_model_id", REPO, "--hub_strategy", "end",
+                 "--report_to", "wandb"],
              timeout=600, env=hub_env(hub))
     return out
 
@@ -277,6 +279,15 @@ def test_final_folder_of_a_tp_run_is_pushed_to_the_hub(gpt2_tp, hub):
     assert files["model.safetensors"] == (gpt2_tp / "final" / "model.safetensors").read_bytes()
     assert "**tp** over 2 process(es)" in files[CARD_FILE].decode()
     assert [m["hub_push"] for m in metrics(gpt2_tp) if "hub_push" in m] == ["ok"]
+
+
+@pytest.mark.slow
+def test_the_mesh_loop_reports_to_wandb_under_the_trainers_names(gpt2_tp):
+    run = wandb_run(gpt2_tp)
+    logged = {row["_step"]: row["train/loss"] for row in run["history"] if "train/loss" in row}
+    assert logged == pytest.approx(losses(gpt2_tp), abs=1e-6)
+    assert [row["eval/loss"] for row in run["history"] if "eval/loss" in row] == [_eval_loss(gpt2_tp)]
+    assert (run["config"]["strategy"], run["config"]["tp_size"]) == ("tp", 2)
 
 
 @pytest.mark.slow

@@ -62,7 +62,7 @@ CHOICES = {
     "eval_strategy": ("no", "steps"), "save_strategy": ("no", "steps"), "optim": ("adamw_torch", "adamw_torch_fused"),
     "dataloader_num_workers": (0,),
 }
-REPORTERS = ("none", "tensorboard")
+REPORTERS = ("none", "tensorboard", "wandb")
 
 
 @dataclass
@@ -315,32 +315,52 @@ def evaluate(layout: MeshLayout, dataset: Any, batch_size: int, device: str) -> 
 
 
 class Reporter:
-    """metrics.jsonl (always) and TensorBoard (when asked), written by rank 0 only."""
+    """metrics.jsonl (always), TensorBoard and wandb (when asked), written by rank 0 only.
 
-    def __init__(self, cfg: Any) -> None:
+    wandb gets the Trainer's metric names (``train/loss``, ``eval/loss``: transformers'
+    ``rewrite_logs``) and runs offline without an API key, as on the Trainer path.
+    """
+
+    def __init__(self, cfg: Any, run_config: dict[str, Any]) -> None:
         self.path = cfg.output_dir / cfg.tracking.metrics_file
         self.main = dist.get_rank() == 0
         report_to = cfg.training.get("report_to") or []
         report_to = [report_to] if isinstance(report_to, str) else report_to
         self.writer = None
+        self.wandb_run = None
         if self.main and "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(cfg.output_dir / "runs"))
+        if self.main and "wandb" in report_to:
+            import wandb
+
+            from hftk.engine.trainer import configure_wandb
+
+            configure_wandb(cfg, report_to)
+            self.wandb_run = wandb.init(project=os.environ["WANDB_PROJECT"], dir=str(cfg.output_dir),
+                                        name=cfg.output_dir.name, config=run_config)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.main:
             return
         append_jsonl(self.path, record)
+        scalars = {key: value for key, value in record.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}
         if self.writer is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.writer.add_scalar(key, value, record.get("step", 0))
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, record.get("step", 0))
             self.writer.flush()
+        if self.wandb_run is not None and scalars:
+            from transformers.integrations.integration_utils import rewrite_logs
+
+            self.wandb_run.log(rewrite_logs(scalars), step=record.get("step", 0))
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
 
 
 # ---------------------------------------------------------------- the run
@@ -419,7 +439,9 @@ def train(prepared: PreparedRun) -> dict[str, float]:
                         "lower the batch size or gradient_accumulation_steps, or add data.")
     max_steps = t["max_steps"] if t.get("max_steps", -1) > 0 else math.ceil(t["num_train_epochs"] * steps_per_epoch)
     scheduler = build_scheduler(optimizer, t, max_steps)
-    reporter = Reporter(cfg)
+    reporter = Reporter(cfg, {"strategy": cfg.strategy.strategy, **layout.describe,
+                              **{key: value if isinstance(value, (bool, int, float, str)) else str(value)
+                                 for key, value in t.items()}})
     args = loop_args(cfg, max_steps)
 
     def record(step: int, metrics: dict[str, float]) -> dict[str, Any]:

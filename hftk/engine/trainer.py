@@ -46,7 +46,7 @@ def build_training_arguments(prepared: PreparedRun, extra: dict[str, Any]) -> An
     if not prepared.has_eval:
         kwargs["eval_strategy"] = "no"
     kwargs["push_to_hub"] = False  # hftk.hub pushes (card, retries, background); the Trainer would push twice
-    _configure_wandb(cfg, kwargs)
+    configure_wandb(cfg, kwargs.get("report_to"))
     return TrainingArguments(**kwargs)
 
 
@@ -58,9 +58,9 @@ def _checkpointing_kwargs_field() -> str:
     return "activation_checkpointing_kwargs" if "activation_checkpointing_kwargs" in names else "gradient_checkpointing_kwargs"
 
 
-def _configure_wandb(cfg: Any, kwargs: dict[str, Any]) -> None:
+def configure_wandb(cfg: Any, report_to: str | list[str] | None) -> None:
     """wandb runs offline (files under the output dir) unless an API key is configured."""
-    report_to = kwargs.get("report_to") or []
+    report_to = report_to or []
     if "wandb" not in (report_to if isinstance(report_to, list) else [report_to]):
         return
     os.environ.setdefault("WANDB_PROJECT", cfg.tracking.wandb_project)
