@@ -1,12 +1,13 @@
-"""A thin training loop for layouts the HF Trainer cannot drive: tensor and sequence parallel.
+"""A thin training loop for layouts the HF Trainer cannot drive: tensor, context and sequence parallel.
 
 Why not the Trainer here: on CPU accelerate refuses its ``ParallelismConfig``, and a plain
 ``Accelerator`` wraps a tensor-parallel model in DDP and crashes ("mixed torch.Tensor and
-DTensor"); the Trainer gives every rank different samples, while the ranks of one tensor- or
-sequence-parallel group must read the same ones; and it cannot checkpoint DTensor optimizer
+DTensor"); the Trainer gives every rank different samples, while the ranks of one tensor-,
+context- or sequence-parallel group must read the same ones; and it cannot checkpoint DTensor optimizer
 state (it refuses to resume models sharded at load time). The loop does what the Trainer does
-for a causal LM -- shuffled batches, AdamW, warmup + decay, clipping, logging, evaluation,
-checkpoints, a final HF folder -- while the strategy's :class:`MeshLayout` decides who reads which
+for a causal LM -- shuffled batches, AdamW, warmup + decay, clipping, bf16 autocast, activation
+checkpointing, logging (metrics.jsonl, tensorboard, wandb), evaluation, checkpoints, a final HF
+folder -- while the strategy's :class:`MeshLayout` decides who reads which
 tokens and how losses and gradients are combined.
 
 The loss of one optimizer step is the mean over every target token of the global batch (all
@@ -405,7 +406,7 @@ def loop_args(cfg: Any, max_steps: int) -> SimpleNamespace:
 
 
 def train(prepared: PreparedRun) -> dict[str, float]:
-    """Run a tensor- or sequence-parallel fine-tuning for a prepared (validated) config."""
+    """Run a tensor-, context- or sequence-parallel fine-tuning for a prepared (validated) config."""
     from transformers import set_seed
 
     from hftk import hub, mesh_checkpoint
