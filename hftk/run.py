@@ -41,14 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepared = prepare(argv)
     except HftkError as exc:
-        print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return _usage_error(exc)
     engine = getattr(strategies.get(prepared.cfg.strategy.strategy), "ENGINE", "trainer")
     try:
         importlib.import_module(f"hftk.engine.{engine}").train(prepared)
     except HftkError as exc:
-        print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
-        code = EXIT_USAGE
+        code = _usage_error(exc)
     except SystemExit as stop:  # an engine's deliberate stop: preemption (75), NaN policy (65)
         if prepared.world_size == 1:
             raise
@@ -58,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     if prepared.world_size > 1:
         exit_without_teardown(code)  # the launcher must see this code, not a teardown abort's
     return code
+
+
+def _usage_error(exc: HftkError) -> int:
+    print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
 
 
 def exit_without_teardown(code: int) -> None:

@@ -175,10 +175,9 @@ def estimate_memory(shape: Any, inputs: Any, tp: int, replicated: int, cp: int =
     layers = (per_layer + b * s * h * 4 * (shape.layers - 1)) if inputs.gradient_checkpointing else per_layer * shape.layers
     activations = int(layers + 3 * b * s * shape.vocab * 4 / tp)
     counters = 4 * shape.trainable_tensors  # torch AdamW's per-parameter step counters (every rank has all)
-    fsdp = data // cp
-    name = "".join([f"cp{cp}" if cp > 1 else "", " x " if cp > 1 and tp > 1 else "", f"tp{tp}" if tp > 1 or cp == 1
-                    else "", f" x fsdp{fsdp}" if fsdp > 1 else ""])
-    return StrategyPlan(name, per_rank * w, per_rank * w, 2 * per_rank * w + counters, transient, activations,
+    parts = ([f"cp{cp}"] if cp > 1 else []) + ([f"tp{tp}"] if tp > 1 or cp == 1 else [])
+    parts += [f"fsdp{data // cp}"] if data // cp > 1 else []
+    return StrategyPlan(" x ".join(parts), per_rank * w, per_rank * w, 2 * per_rank * w + counters, transient, activations,
                         RUNTIME_BYTES[inputs.device], 0)
 
 
