@@ -3,6 +3,7 @@ this rank saw (world size, sum, the strategy hftk reads from the launch config) 
 
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,10 @@ dist.init_process_group(backend)
 one = torch.ones(1)
 dist.all_reduce(one)
 found = launcher_strategy(os.environ)
-print("PROBE " + json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": one.item(),
-                             "strategy": found[0] if found else None}), flush=True)
+line = "PROBE " + json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": one.item(),
+                              "strategy": found[0] if found else None})
+# One write per line: print() writes text and newline separately, and two ranks sharing the pipe
+# interleaved them into one line. A single write under PIPE_BUF reaches the pipe whole.
+os.write(sys.stdout.fileno(), (line + "\n").encode())
 dist.destroy_process_group()
 exit_without_teardown(0)  # skips gloo's teardown abort
