@@ -148,8 +148,8 @@ class TrackingConfig:
     metrics_file: str = _opt("metrics.jsonl", "JSON-lines metrics file, relative to training.output_dir.")
     wandb_project: str = _opt("hftk", "wandb project (wandb runs offline when no API key is configured).")
     imbalance_warn_threshold: float = _opt(
-        0.2, "Warn when the slowest rank's compute time per step (forward start to last gradient) exceeds the "
-        "fastest's by this fraction."
+        0.2, "Warn when the fastest rank idles, waiting for the slowest, for more than this fraction of each step "
+        "(slowest minus fastest compute time, forward start to last gradient, over the wall step time)."
     )
     check_sync_steps: int = _opt(
         0, "Every N optimizer steps, hash each rank's replicated parameters and log whether all ranks agree (0: off)."

@@ -324,6 +324,7 @@ class RankSummary:
     per_rank: dict[str, list[float | None]]
     scalars: dict[str, float]
     imbalance: float | None
+    wait_share: float | None
     warning: str | None
     unmeasured: bool
     peak_mem_kind: str
@@ -331,11 +332,18 @@ class RankSummary:
     def record(self, step: int) -> dict[str, Any]:
         """The metrics.jsonl line: per-rank lists plus the imbalance verdict."""
         return {"step": step, "rank_stats": self.per_rank, "rank_imbalance": self.imbalance,
-                "imbalance_warning": self.warning is not None, "peak_mem_kind": self.peak_mem_kind}
+                "rank_wait_share": self.wait_share, "imbalance_warning": self.warning is not None,
+                "peak_mem_kind": self.peak_mem_kind}
 
 
 def summarize(rows: list[list[float]], threshold: float, peak_mem_kind: str) -> RankSummary:
-    """Per-rank lists, tracker scalars, and the imbalance: slowest compute / fastest compute - 1."""
+    """Per-rank lists, tracker scalars, and the imbalance verdict.
+
+    ``rank_imbalance`` is slowest compute / fastest compute - 1; the warning is judged on
+    ``rank_wait_share``, the slowest's compute minus the fastest's over the wall step: the share of
+    every step the fastest rank idles, i.e. the throughput the imbalance costs. A ratio alone would
+    cry wolf on small steps, where a few milliseconds of scheduling jitter are a large fraction.
+    """
     cols = {name: [row[i] for row in rows] for i, name in enumerate(FIELDS)}
     per_rank = {name: [None if math.isnan(v) else v for v in values] for name, values in cols.items()}
     scalars = {"step_time_s_max": max(cols["step_time_s"]), "cpu_time_s_mean": sum(cols["cpu_time_s"]) / len(rows),
@@ -347,15 +355,19 @@ def summarize(rows: list[list[float]], threshold: float, peak_mem_kind: str) -> 
         scalars["comm_share"] = sum(shares) / len(shares)
     compute = cols["compute_time_s"]
     unmeasured = any(math.isnan(v) for v in compute)
-    imbalance, warning = None, None
+    imbalance, wait_share, warning = None, None, None
     if not unmeasured:
         slow, fast = max(range(len(rows)), key=compute.__getitem__), min(range(len(rows)), key=compute.__getitem__)
+        gap, step = compute[slow] - compute[fast], max(cols["step_time_s"])
         imbalance = compute[slow] / compute[fast] - 1 if compute[fast] > 0 else math.inf
-        scalars.update(compute_time_s_max=compute[slow], compute_time_s_min=compute[fast], rank_imbalance=imbalance)
-        if imbalance > threshold:
-            warning = (f"rank imbalance {imbalance:.0%} > {threshold:.0%}: rank {slow} computes "
-                       f"{compute[slow]:.3f}s per step, rank {fast} {compute[fast]:.3f}s; the others wait for rank {slow}.")
-    return RankSummary(per_rank, scalars, imbalance, warning, unmeasured, peak_mem_kind)
+        wait_share = min(gap / step, 1.0) if step > 0 else 0.0
+        scalars.update(compute_time_s_max=compute[slow], compute_time_s_min=compute[fast], rank_imbalance=imbalance,
+                       rank_wait_share=wait_share)
+        if wait_share > threshold:
+            warning = (f"rank imbalance: rank {slow} computes {compute[slow]:.3f}s per step, rank {fast} "
+                       f"{compute[fast]:.3f}s; the others wait for rank {slow}, {wait_share:.0%} of each "
+                       f"{step:.3f}s step (> {threshold:.0%}).")
+    return RankSummary(per_rank, scalars, imbalance, wait_share, warning, unmeasured, peak_mem_kind)
 
 
 class RankMonitorCallback(TrainerCallback):

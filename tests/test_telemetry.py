@@ -50,10 +50,13 @@ def test_imbalance_verdict():
     balanced = summarize(_rows([1.0, 1.1]), 0.2, "rss_hwm")
     assert balanced.imbalance == pytest.approx(0.1) and balanced.warning is None
     slow = summarize(_rows([1.0, 1.5, 1.05]), 0.2, "rss_hwm")
-    assert slow.imbalance == pytest.approx(0.5)
+    assert slow.imbalance == pytest.approx(0.5) and slow.wait_share == pytest.approx(0.5 / 1.0)
     assert slow.warning and "rank 1" in slow.warning and "rank 0" in slow.warning
     assert slow.record(7)["imbalance_warning"] is True
     assert slow.scalars["rank_imbalance"] == pytest.approx(0.5) and "comm_share" not in slow.scalars
+    # a large ratio of tiny compute times costs little of the step: no warning
+    jitter = summarize(_rows([0.02, 0.03]), 0.2, "rss_hwm")
+    assert jitter.imbalance == pytest.approx(0.5) and jitter.wait_share == pytest.approx(0.01) and jitter.warning is None
     unmeasured = summarize(_rows([1.0, math.nan]), 0.2, "rss_hwm")
     assert unmeasured.unmeasured and unmeasured.imbalance is None and "rank_imbalance" not in unmeasured.scalars
     assert unmeasured.per_rank["compute_time_s"] == [1.0, None]
