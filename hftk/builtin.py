@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from hftk.errors import HftkError
+
 CORPUS = Path(__file__).parent / "corpus" / "kjv_selections.txt"
 BUILTIN_DATASETS = {"kjv": CORPUS}
 VOCAB_SIZE = 2048
@@ -75,20 +77,29 @@ def builtin_model_config(name: str) -> Any:
     return MODELS[name.removeprefix(PREFIX)]()
 
 
+WEIGHTS = "model.safetensors"
+# In the cache key: a folder of an older layout is never taken for a current one. 2: folders are
+# checked complete (hftk 1 could cache one without weights, written by a rank transformers skipped).
+CACHE_FORMAT = 2
+
+
 def materialize_model(name: str) -> Path:
     """Folder holding the built-in model ``builtin:NAME``; created atomically on first use.
 
-    Several ranks may call this at once: each writes into its own temporary folder and
-    the first rename wins, so nobody ever reads a half-written model.
+    Several ranks may call this at once: each writes into its own temporary folder and the
+    first rename wins, so nobody ever reads a half-written model. Call it before any process
+    group exists (``hftk.run.prepare`` does): once one is up, transformers' ``save_pretrained``
+    writes on rank 0 only, and the other ranks' folders would be empty.
     """
     key = name.removeprefix(PREFIX)
     config = MODELS[key]()
     digest = hashlib.sha256(
-        (json.dumps(config.to_dict(), sort_keys=True, default=str) + CORPUS.read_text()[:4096]).encode()
+        (json.dumps(config.to_dict(), sort_keys=True, default=str) + CORPUS.read_text()[:4096]
+         + str(CACHE_FORMAT)).encode()
     ).hexdigest()[:10]
     target = cache_root() / "models" / f"{key}-{digest}"
-    if (target / "config.json").exists():
-        return target
+    if target.exists():
+        return _complete(target, name)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
     try:
@@ -98,6 +109,7 @@ def materialize_model(name: str) -> Path:
         tokenizer_for_corpus().save_pretrained(tmp)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp, safe_serialization=True)
+        _complete(tmp, name)  # never publish a folder transformers skipped writing
         try:
             tmp.rename(target)
         except OSError:  # another rank won the race; its folder is complete
@@ -105,6 +117,18 @@ def materialize_model(name: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _complete(folder: Path, name: str) -> Path:
+    """``folder`` if it holds config and weights; otherwise a one-line error naming the fix."""
+    missing = [f for f in ("config.json", WEIGHTS) if not (folder / f).is_file()]
+    if missing:
+        raise HftkError("model.model_name_or_path",
+                        f"the folder of {name} lacks {', '.join(missing)} ({folder}): it was written after a process "
+                        "group started, where transformers saves on rank 0 only.",
+                        f"delete {folder} and materialise built-ins before init_process_group "
+                        "(hftk.run.prepare does).")
+    return folder
 
 
 def tokenizer_for_corpus() -> Any:

@@ -12,14 +12,15 @@ from hftk import launch, plan, strategies, validate
 from hftk.config import load_config
 from hftk.data import check_raw, load_raw
 from hftk.errors import HftkError
-from hftk.modeling import load_model_config
+from hftk.modeling import load_model_config, resolve_model_path
 from hftk.run_types import PreparedRun
 
 EXIT_USAGE = 2
 
 
 def prepare(argv: list[str] | None = None) -> PreparedRun:
-    """Parse, validate and read what validation needs: config, model config, raw data."""
+    """Parse, validate and read what validation needs: config, model config, raw data; then write a
+    built-in model into its cache (before any process group: see ``builtin.materialize_model``)."""
     cfg = load_config(argv)
     launch.adopt_launcher_strategy(cfg)  # accelerate_configs/<strategy>.yaml says it through the environment
     validate.check_config(cfg)
@@ -31,6 +32,7 @@ def prepare(argv: list[str] | None = None) -> PreparedRun:
     strategies.get(cfg.strategy.strategy).validate(cfg, world_size)
     raw = load_raw(cfg.data)
     data_format = check_raw(cfg.data, raw)
+    resolve_model_path(cfg.model)  # valid input: a built-in is written now, before any process group
     return PreparedRun(cfg=cfg, model_config=model_config, raw=raw, data_format=data_format, world_size=world_size)
 
 
