@@ -335,6 +335,13 @@ class RankSummary:
                 "rank_wait_share": self.wait_share, "imbalance_warning": self.warning is not None,
                 "peak_mem_kind": self.peak_mem_kind}
 
+    def publish(self, step: int, metrics_path: Path) -> dict[str, float]:
+        """Append the per-rank record to ``metrics_path``, warn if imbalanced; returns the tracker scalars."""
+        append_jsonl(metrics_path, self.record(step))
+        if self.warning:
+            logger.warning("step %d: %s", step, self.warning)
+        return self.scalars
+
 
 def summarize(rows: list[list[float]], threshold: float, peak_mem_kind: str) -> RankSummary:
     """Per-rank lists, tracker scalars, and the imbalance verdict.
@@ -401,9 +408,5 @@ class RankMonitorCallback(TrainerCallback):
         if logs is None or "loss" not in logs or not self.monitor.window.steps:
             return
         summary = self.monitor.collect(model, optimizer)
-        if summary is None:
-            return
-        logs.update(summary.scalars)
-        append_jsonl(self.metrics_path, summary.record(state.global_step))
-        if summary.warning:
-            logger.warning("step %d: %s", state.global_step, summary.warning)
+        if summary is not None:
+            logs.update(summary.publish(state.global_step, self.metrics_path))

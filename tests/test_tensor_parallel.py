@@ -326,6 +326,33 @@ def test_memory_plan_predicts_the_counted_model_state(llama_tp, tp_fsdp, sp_run,
 
 
 @pytest.mark.slow
+def test_the_mesh_loop_monitors_every_rank(llama_tp, tp_fsdp, sp_run, llama_cp):
+    """As on the Trainer path: each logging step, every rank's times, memory and counted tensors reach
+    metrics.jsonl and the log line; step 3 is profiled, and the layout's traffic is on the wire there."""
+    for run, world in [(llama_tp, 2), (tp_fsdp, 4), (sp_run, 2), (llama_cp, 2)]:
+        records = {m["step"]: m for m in metrics(run) if "rank_stats" in m}
+        assert sorted(records) == list(range(1, STEPS + 1)), run
+        for record in records.values():
+            stats = record["rank_stats"]
+            assert all(len(values) == world for values in stats.values()), run
+            assert all(v > 0 for v in stats["step_time_s"] + stats["peak_mem_mb"] + stats["tensor_mb"]), run
+        shares = records[3]["rank_stats"]["comm_share"]
+        assert all(0 < share < 1 for share in shares), (run, shares)
+        assert records[2]["rank_stats"]["comm_share"] == [None] * world  # only step 3 is profiled
+        logged = next(m for m in metrics(run) if m.get("step") == 3 and "loss" in m)
+        assert logged["comm_share"] == pytest.approx(sum(shares) / world) and logged["step_time_s_max"] > 0
+        training_peak = next(m["memory"] for m in metrics(run) if "memory" in m)
+        peaks = [max(r["rank_stats"]["peak_mem_mb"][rank] for r in records.values()) for rank in range(world)]
+        assert all(entry["peak"] / 2**20 >= 0.99 * peak for entry, peak in zip(training_peak, peaks)), run
+    # compute time measured everywhere: autograd accumulates into the TP / SP leaves, FSDP2 calls the
+    # post-accumulate-grad hooks itself after its reduce-scatter
+    for run in (llama_tp, tp_fsdp, sp_run, llama_cp):
+        for record in (m for m in metrics(run) if "rank_stats" in m):
+            assert all(v > 0 for v in record["rank_stats"]["compute_time_s"])
+            assert 0 <= record["rank_wait_share"] <= 1 and record["imbalance_warning"] in (True, False)
+
+
+@pytest.mark.slow
 def test_a_tp_checkpoint_resumes_on_a_3d_mesh(llama_tp, tmp_path):
     """TP=2 checkpoint -> dp_replicate 2 x dp_shard 1 x tp 2 (HSDP x TP, 4 ranks; DCP reshards), same global batch."""
     resumed = _resume(llama_tp / "checkpoint-3", tmp_path / "resumed3d", 4,

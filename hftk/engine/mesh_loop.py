@@ -6,7 +6,7 @@ DTensor"); the Trainer gives every rank different samples, while the ranks of on
 context- or sequence-parallel group must read the same ones; and it cannot checkpoint DTensor optimizer
 state (it refuses to resume models sharded at load time). The loop does what the Trainer does
 for a causal LM -- shuffled batches, AdamW, warmup + decay, clipping, bf16 autocast, activation
-checkpointing, logging (metrics.jsonl, tensorboard, wandb), evaluation, checkpoints, a final HF
+checkpointing, logging (metrics.jsonl, tensorboard, wandb) with per-rank telemetry, evaluation, checkpoints, a final HF
 folder -- while the strategy's :class:`MeshLayout` decides who reads which
 tokens and how losses and gradients are combined.
 
@@ -44,7 +44,7 @@ from hftk.modeling import load_model
 from hftk.monitor import append_jsonl
 from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionSignal, agree, nonfinite_gradients
 from hftk.run_types import PreparedRun
-from hftk.telemetry import peak_memory_bytes, reset_peak_memory
+from hftk.telemetry import RankMonitor, peak_memory_bytes
 
 FINAL_DIR = "final"
 # TrainingArguments fields the loop honours; anything else set explicitly is refused before launch.
@@ -469,7 +469,10 @@ def train(prepared: PreparedRun) -> dict[str, float]:
             pusher.checkpoint_published(folder)
 
     lifetime_peak = peak_memory_bytes(torch.device(device))  # imports, loading, sharding
-    reset_peak_memory(torch.device(device))
+    # per-rank step / compute / CPU time, memory and comm share per logging window, as on the Trainer path
+    monitor = RankMonitor(torch.device(device), cfg.tracking.imbalance_warn_threshold, cfg.tracking.comm_profile_steps)
+    monitor.attach(layout.model)  # also resets the peak: from here on it is the training phase's
+    training_peak = 0
     state_bytes: dict[str, int] | None = None
     window: list[dict[str, float]] = []
     result: dict[str, float] = {}
@@ -487,8 +490,10 @@ def train(prepared: PreparedRun) -> dict[str, float]:
             micro_batches = [make_batch(data.train, rank_slice(indices[i:i + span], micro, layout.data_rank), device)
                              for i in range(0, len(indices), span)]
             lr = scheduler.get_last_lr()[0]
+            monitor.step_begin(step + 1)
             out = train_step(layout, micro_batches, optimizer, scheduler, t.get("max_grad_norm", 1.0),
                              count_memory=state_bytes is None, signalled=signal.received is not None)
+            monitor.step_end()
             step += 1
             stop = EXIT_PREEMPTED if out["preempted"] else None
             if out["skipped"]:
@@ -500,8 +505,11 @@ def train(prepared: PreparedRun) -> dict[str, float]:
                 window.append({"loss": out["loss"], "grad_norm": out["grad_norm"], "learning_rate": lr,
                                "seconds": time.perf_counter() - started})
             if window and (step % t.get("logging_steps", 500) == 0 or step == max_steps):
+                training_peak = max(training_peak, peak_memory_bytes(torch.device(device)))  # collect resets it
+                summary = monitor.collect(layout.model, optimizer)  # every rank: one all_gather
+                ranks = summary.publish(step, reporter.path) if summary is not None else {}
                 result = {"train_loss": _log_window(reporter, window, step, steps_per_epoch, global_batch,
-                                                    cfg.data.block_size)}
+                                                    cfg.data.block_size, ranks)}
                 window = []
             if data.eval is not None and t.get("eval_strategy") == "steps" and step % t.get("eval_steps", 500) == 0:
                 result.update(_log_eval(layout, data.eval, t, device, step, steps_per_epoch, reporter))
@@ -512,8 +520,10 @@ def train(prepared: PreparedRun) -> dict[str, float]:
                 _exit(stop, step, cfg.output_dir, "preempted" if stop == EXIT_PREEMPTED else
                       "a NaN/Inf loss (resilience.nan_policy=stop)")
     signal.uninstall()
+    monitor.detach()
     if state_bytes is not None:
-        peak = peak_memory_bytes(torch.device(device))  # training phase (eval and the final save excluded)
+        # training phase (the final eval and save excluded)
+        peak = max(training_peak, peak_memory_bytes(torch.device(device)))
         reporter.log({"step": step, "memory": gather_objects({**state_bytes, "peak": peak,
                                                               "lifetime_peak": lifetime_peak})})
     if data.eval is not None and evaluated_at != step:
@@ -542,13 +552,15 @@ def _exit(code: int, step: int, output_dir: Path, reason: str) -> None:
 
 
 def _log_window(reporter: Reporter, window: list[dict[str, float]], step: int, steps_per_epoch: int,
-                global_batch: int, block: int) -> float:
-    """One log record for the steps since the last: mean loss, last grad norm and LR, throughput."""
+                global_batch: int, block: int, rank_scalars: dict[str, float]) -> float:
+    """One log record for the steps since the last: mean loss, last grad norm and LR, throughput, and the
+    rank monitor's scalars (max step time, imbalance, comm share: rank 0 only, like the Trainer's log)."""
     step_time = sum(w["seconds"] for w in window) / len(window)
     loss = sum(w["loss"] for w in window) / len(window)
     reporter.log({"step": step, "epoch": step / steps_per_epoch, "loss": loss, "grad_norm": window[-1]["grad_norm"],
                   "learning_rate": window[-1]["learning_rate"], "step_time_s": step_time,
-                  "tokens_per_s": global_batch * block / step_time, "samples_per_s": global_batch / step_time})
+                  "tokens_per_s": global_batch * block / step_time, "samples_per_s": global_batch / step_time,
+                  **rank_scalars})
     return loss
 
 
