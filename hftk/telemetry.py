@@ -179,6 +179,7 @@ class RankMonitor:
     _profiler: Any = None
     _profiled: tuple[Any, float] | None = None
     _peak_resettable: bool = True
+    _windows_peak: int = 0  # the highest peak of the collected windows (collect resets the counter)
     _warned_unmeasured: bool = False
 
     def attach(self, model: torch.nn.Module) -> None:
@@ -275,7 +276,13 @@ class RankMonitor:
         steps = max(w.steps, 1)
         compute = self._compute_seconds() / w.steps if w.computed_steps == w.steps and w.steps else math.nan
         tensors = model_state_bytes(model, optimizer)["total"] / MB if model is not None else math.nan
-        return [w.wall / steps, compute, w.cpu / steps, peak_memory_bytes(self.device) / MB, tensors, w.comm_share]
+        peak = peak_memory_bytes(self.device)
+        self._windows_peak = max(self._windows_peak, peak)
+        return [w.wall / steps, compute, w.cpu / steps, peak / MB, tensors, w.comm_share]
+
+    def training_peak_bytes(self) -> int:
+        """Peak memory since ``attach``, across the windows whose peaks ``collect`` reset."""
+        return max(self._windows_peak, peak_memory_bytes(self.device))
 
     def collect(self, model: torch.nn.Module | None = None, optimizer: Any = None) -> RankSummary | None:
         """Gather every rank's window to rank 0 (one all_gather) and start a new window.

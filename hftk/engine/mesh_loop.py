@@ -472,7 +472,6 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     # per-rank step / compute / CPU time, memory and comm share per logging window, as on the Trainer path
     monitor = RankMonitor(torch.device(device), cfg.tracking.imbalance_warn_threshold, cfg.tracking.comm_profile_steps)
     monitor.attach(layout.model)  # also resets the peak: from here on it is the training phase's
-    training_peak = 0
     state_bytes: dict[str, int] | None = None
     window: list[dict[str, float]] = []
     result: dict[str, float] = {}
@@ -505,7 +504,6 @@ def train(prepared: PreparedRun) -> dict[str, float]:
                 window.append({"loss": out["loss"], "grad_norm": out["grad_norm"], "learning_rate": lr,
                                "seconds": time.perf_counter() - started})
             if window and (step % t.get("logging_steps", 500) == 0 or step == max_steps):
-                training_peak = max(training_peak, peak_memory_bytes(torch.device(device)))  # collect resets it
                 summary = monitor.collect(layout.model, optimizer)  # every rank: one all_gather
                 ranks = summary.publish(step, reporter.path) if summary is not None else {}
                 result = {"train_loss": _log_window(reporter, window, step, steps_per_epoch, global_batch,
@@ -522,8 +520,7 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     signal.uninstall()
     monitor.detach()
     if state_bytes is not None:
-        # training phase (the final eval and save excluded)
-        peak = max(training_peak, peak_memory_bytes(torch.device(device)))
+        peak = monitor.training_peak_bytes()  # training phase (the final eval and save excluded)
         reporter.log({"step": step, "memory": gather_objects({**state_bytes, "peak": peak,
                                                               "lifetime_peak": lifetime_peak})})
     if data.eval is not None and evaluated_at != step:
