@@ -50,8 +50,26 @@ def supported_families() -> str:
     return ", ".join(sorted(FAMILIES))
 
 
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The family's own causal-LM module inside whatever wraps it (PEFT, DDP, accelerate, compile).
+
+    Wrappers forward attribute lookups to what they wrap, so on a PEFT model ``model.model`` is
+    the LlamaForCausalLM itself, not its backbone: the layout must be read on the unwrapped model.
+    """
+    while True:
+        if hasattr(model, "get_base_model") and model.get_base_model() is not model:  # PEFT
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), nn.Module):  # DDP / DeepSpeed engine
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
+            model = model._orig_mod
+        else:
+            return model
+
+
 def layout(model: nn.Module) -> DecoderLayout:
-    """The :class:`DecoderLayout` of a GPT-2 / GPT-NeoX / Llama / Mistral / Qwen2 causal LM."""
+    """The :class:`DecoderLayout` of a GPT-2 / GPT-NeoX / Llama / Mistral / Qwen2 causal LM, wrapped or not."""
+    model = causal_lm(model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
         raise HftkError("model.model_name_or_path", f"architecture '{model_type}' has no known decoder layout.",
@@ -80,6 +98,7 @@ def decoder_block_class(model: nn.Module) -> type[nn.Module]:
     Known families use :func:`layout`; any other HF model falls back to its own
     ``_no_split_modules`` declaration, which names exactly that class.
     """
+    model = causal_lm(model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in FAMILIES:
         return layout(model).block_class
