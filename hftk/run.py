@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from hftk import launch, plan, strategies, validate
+from hftk import allocator, launch, plan, strategies, validate
 from hftk.config import load_config
 from hftk.data import check_raw, load_raw
 from hftk.errors import HftkError
@@ -20,7 +20,11 @@ EXIT_USAGE = 2
 
 def prepare(argv: list[str] | None = None) -> PreparedRun:
     """Parse, validate and read what validation needs: config, model config, raw data; then write a
-    built-in model into its cache (before any process group: see ``builtin.materialize_model``)."""
+    built-in model into its cache (before any process group: see ``builtin.materialize_model``).
+
+    First of all glibc is told to give freed memory back (``allocator``): every engine, bench and
+    test worker starts here, before any model exists."""
+    allocator.return_freed_memory()
     cfg = load_config(argv)
     launch.adopt_launcher_strategy(cfg)  # accelerate_configs/<strategy>.yaml says it through the environment
     validate.check_config(cfg)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hftk.bench.charts import figure, save
-from hftk.bench.launch import (BENCH_TRAIN_ARGS, DEFAULT_MODEL, MALLOC_ENV, max_processes, run_workers,
+from hftk.bench.launch import (BENCH_TRAIN_ARGS, DEFAULT_MODEL, max_processes, run_workers,
                                threads_per_rank)
 from hftk.bench.stats import median_of, timed_steps
 from hftk.errors import HftkError
@@ -103,7 +103,7 @@ def run_batch_bench(out_dir: Path, strategies: list[str] | None = None, nproc: i
         work = out_dir / strategy
         trials = plan_trials(nproc, global_batch, max_micro_batch, work)
         launch = run_workers(nproc, {"mode": "batch", "argv": [*argv, "--strategy", strategy], "trials": trials,
-                                     "budget_bytes": budget_gb * GB}, work, timeout, threads, env=MALLOC_ENV)
+                                     "budget_bytes": budget_gb * GB}, work, timeout, threads)
         per_strategy[strategy] = analyse(launch.ranks, nproc, block_size, warmup, global_batch)
         per_strategy[strategy].update(loadavg_before=launch.loadavg_before, loadavg_after=launch.loadavg_after)
     result: dict[str, Any] = {"model": model, "nproc": nproc, "block_size": block_size, "budget_gb": budget_gb,

@@ -29,8 +29,6 @@ BENCH_TRAIN_ARGS = [
     "--disable_tqdm", "true", "--logging_steps", "1", "--lr_scheduler_type", "constant", "--warmup_steps", "0",
     "--optim", "adamw_torch_fused",
 ]
-# glibc keeps freed heap resident; these make RSS follow what is really in use (field notes).
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 @dataclass

@@ -2,9 +2,9 @@
 how close the memory plan (:mod:`hftk.plan`) came.
 
 Every strategy trains the same model for a few steps through hftk's own engine
-(:mod:`hftk.bench.memory_worker`), one launch after another, with glibc told to hand freed memory
-back (``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``): with its defaults glibc keeps
-0.9-1.2 GiB of freed heap resident and RSS hides what sharding saves (field notes). Per rank:
+(:mod:`hftk.bench.memory_worker`), one launch after another. Like every hftk run the workers tell
+glibc to hand freed memory back (:mod:`hftk.allocator`): with its defaults glibc keeps 0.9-1.2 GiB
+of freed heap resident and RSS hides what sharding saves (field notes). Per rank:
 
 - peak: the training phase's peak, VmHWM reset at train begin on CPU (the allocator's peak on
   GPU); loading and imports come before it and are reported as ``lifetime_peak_mib``;
@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from hftk.bench.charts import figure, save
-from hftk.bench.launch import BENCH_TRAIN_ARGS, MALLOC_ENV, torchrun_module, threads_per_rank
+from hftk import allocator
+from hftk.bench.launch import BENCH_TRAIN_ARGS, torchrun_module, threads_per_rank
 from hftk.plan import MIB, PLAN_STRATEGIES, StrategyPlan
 
 DEFAULT_MODEL = "builtin:gpt2-90m"
@@ -63,11 +64,11 @@ def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, 
         wall = torchrun_module(nproc, "hftk.bench.memory_worker",
                                [*argv, *strategy_args(strategy, nproc), "--output_dir", str(work / "run"),
                                 "--memory_out", str(record)],
-                               work, timeout, threads_per_rank(nproc), env=MALLOC_ENV)
+                               work, timeout, threads_per_rank(nproc))
         runs[strategy] = summarise(json.loads(record.read_text()), predictions[strategy], wall)
     result: dict[str, Any] = {
         "model": model, "nproc": nproc, "block_size": block_size, "micro_batch": micro_batch, "steps": steps,
-        "malloc_env": MALLOC_ENV, "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
+        "allocator": allocator.effective(), "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
         "strategies": runs,
     }
     if "ddp" in runs:
@@ -179,6 +180,6 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"**{t['title']}**", "", "| " + " | ".join(t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
     lines += ["| " + " | ".join(row) + " |" for row in t["rows"]]
     load = ", ".join(f"{v:.1f}" for v in result["loadavg_before"])
-    lines += ["", f"Load average (1, 5, 15 min) before the runs: {load}. Environment: "
-              + " ".join(f"{k}={v}" for k, v in result["malloc_env"].items()) + ".", "", "![memory](memory.png)", ""]
+    lines += ["", f"Load average (1, 5, 15 min) before the runs: {load}. Allocator: "
+              + " ".join(f"{k}={v}" for k, v in result["allocator"].items()) + ".", "", "![memory](memory.png)", ""]
     return "\n".join(lines)
