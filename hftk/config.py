@@ -95,6 +95,10 @@ class DataConfig:
     block_size: int = _opt(128, "Tokens per training sequence; must not exceed the model's context length.")
     packing: bool = _opt(True, "Concatenate examples into full blocks (no padding) instead of one example per block.")
     max_train_samples: int | None = _opt(None, "Keep only this many raw training rows (quick runs).")
+    max_eval_samples: int | None = _opt(
+        None, "Keep only the first this many evaluation blocks (after the split and packing, as run_clm's "
+        "max_eval_samples), bounding what every evaluation costs; the count is printed at start.",
+    )
     preprocessing_num_workers: int | None = _opt(None, "Processes for tokenisation (datasets.map num_proc).")
 
 

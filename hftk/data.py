@@ -99,7 +99,10 @@ def check_raw(cfg: DataConfig, raw: Any) -> str:
 
 
 def tokenize_and_pack(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> TokenizedData:
-    """Token ids + labels in fixed blocks of ``block_size``; prompts masked with -100."""
+    """Token ids + labels in fixed blocks of ``block_size``; prompts masked with -100.
+
+    ``max_eval_samples`` caps the evaluation blocks, not raw rows (run_clm's convention): a block
+    is what one evaluation forward costs, whatever the rows' lengths."""
     train = raw[cfg.train_split]
     if cfg.max_train_samples:
         train = train.select(range(min(cfg.max_train_samples, len(train))))
@@ -125,9 +128,31 @@ def tokenize_and_pack(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed:
     eval_blocks = prepare(evals) if evals is not None else None
     if eval_blocks is not None and len(eval_blocks) == 0:
         eval_blocks = None
+    if eval_blocks is not None and cfg.max_eval_samples:
+        eval_blocks = eval_blocks.select(range(min(cfg.max_eval_samples, len(eval_blocks))))
     return TokenizedData(train=train_blocks.with_format("torch"),
                          eval=eval_blocks.with_format("torch") if eval_blocks is not None else None,
                          data_format=fmt)
+
+
+def eval_line(cfg: DataConfig, blocks: int, batch_size: int, data_ranks: int) -> str:
+    """What one evaluation costs, printed at start: blocks, and batches each rank runs through.
+
+    Every engine spreads the blocks over its data-parallel ranks in batches of
+    ``per_device_eval_batch_size`` (the Trainer's sharded loader, the pipeline's contiguous shards, the
+    mesh loop's global batches), so ceil(blocks / (batch x ranks)) forwards per rank per evaluation.
+    """
+    batches = -(-blocks // (batch_size * data_ranks))
+    cap = (f"capped by data.max_eval_samples={cfg.max_eval_samples}" if cfg.max_eval_samples
+           else "data.max_eval_samples caps it")
+    return (f"hftk: evaluation: {blocks} blocks of {cfg.block_size} tokens, {batches} batches of {batch_size} per "
+            f"rank over {data_ranks} data-parallel rank(s) per evaluation ({cap})")
+
+
+def announce_eval(cfg: DataConfig, eval_blocks: Any | None, batch_size: int, data_ranks: int, main: bool) -> None:
+    """Print :func:`eval_line` once (the main process), when the run evaluates at all."""
+    if main and eval_blocks is not None:
+        print(eval_line(cfg, len(eval_blocks), batch_size, data_ranks), flush=True)
 
 
 def encode_batch(batch: dict[str, list], tokenizer: Any, cfg: DataConfig, fmt: str) -> dict[str, list]:

@@ -45,6 +45,10 @@ def check_config(cfg: RunConfig) -> None:
         raise HftkError("data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}.", "use e.g. 0.05.")
     if d.max_train_samples is not None and d.max_train_samples <= 0:
         raise HftkError("data.max_train_samples", "must be positive.", "remove it or set a positive count.")
+    eval_cap = d.max_eval_samples
+    if eval_cap is not None and (isinstance(eval_cap, bool) or not isinstance(eval_cap, int) or eval_cap <= 0):
+        raise HftkError("data.max_eval_samples", f"must be a positive integer, got {d.max_eval_samples!r}.",
+                        "remove it or set a positive count of evaluation blocks.")
     if cfg.tracking.comm_profile_steps < 0:
         raise HftkError("tracking.comm_profile_steps", f"must be >= 0, got {cfg.tracking.comm_profile_steps}.",
                         "use 0 (no profiling) or N to profile every N-th step.")

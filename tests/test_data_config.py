@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hftk.config import SECTIONS, DataConfig, build_parser, load_config
-from hftk.data import IGNORE_INDEX, check_raw, load_raw, tokenize_and_pack
+from hftk.data import IGNORE_INDEX, check_raw, eval_line, load_raw, tokenize_and_pack
 from hftk.modeling import load_tokenizer
 from hftk.config import ModelConfig
 
@@ -77,6 +77,23 @@ def test_packing_makes_full_blocks_and_holds_out_eval(tokenizer):
     assert len(data.train) > 10 and data.eval is not None and len(data.eval) > 0
     assert all(len(r) == 32 for r in data.train["input_ids"][:20])
     assert (data.train["labels"][:20] == data.train["input_ids"][:20]).all()
+
+
+def test_max_eval_samples_caps_the_eval_blocks_after_the_split(tokenizer):
+    def blocks(**cap):
+        cfg = DataConfig(block_size=32, max_train_samples=400, eval_fraction=0.1, **cap)
+        raw = load_raw(cfg)
+        return cfg, tokenize_and_pack(cfg, raw, tokenizer, check_raw(cfg, raw), seed=0)
+
+    _, full = blocks()
+    cfg, capped = blocks(max_eval_samples=5)
+    assert len(full.eval) > 5 and len(capped.eval) == 5
+    assert capped.eval[:]["input_ids"].tolist() == full.eval[:5]["input_ids"].tolist()  # same split, first blocks
+    assert capped.train[:]["input_ids"].tolist() == full.train[:]["input_ids"].tolist()  # training data untouched
+    assert len(blocks(max_eval_samples=10**6)[1].eval) == len(full.eval)
+    assert eval_line(cfg, 5, 2, 2) == ("hftk: evaluation: 5 blocks of 32 tokens, 2 batches of 2 per rank over 2 "
+                                       "data-parallel rank(s) per evaluation (capped by data.max_eval_samples=5)")
+    assert "1 batches of 8 per rank over 1" in eval_line(DataConfig(), 3, 8, 1)
 
 
 @pytest.mark.parametrize("suffix,write", [

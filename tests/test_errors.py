@@ -41,6 +41,7 @@ CASES = [
     ("empty_dataset", ["--dataset", "{tmp}/empty.txt"], "data.dataset"),
     ("missing_dataset", ["--dataset", "./no/such/file.txt"], "data.dataset"),
     ("bad_eval_fraction", ["--eval_fraction", "1.5"], "data.eval_fraction"),
+    ("zero_eval_cap", ["--max_eval_samples", "0"], "data.max_eval_samples"),
     ("token_as_option", ["--hub_token", "hf_secret"], "training.hub_token"),
     ("push_without_repo", ["--push_to_hub"], "training.hub_model_id"),
     ("missing_resume", ["--resume_from_checkpoint", "{tmp}/nope"], "training.resume_from_checkpoint"),

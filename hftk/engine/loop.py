@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from hftk import lora, strategies
 from hftk.checkpoint import announce_resume, atomic_save, resolve_resume, staged_folder, staging_root
+from hftk.data import announce_eval
 from hftk.engine.guard import check_world
 from hftk.engine.trainer import FINAL_DIR, build_training_arguments, load_data
 from hftk.hub import run_record, save_run_record, write_run_files
@@ -105,6 +106,7 @@ def run_loop(prepared: PreparedRun) -> dict[str, float]:
     topo = pipeline.topology(cfg.strategy.pp_size, args.device)
 
     tokenizer, data = load_data(prepared, args)
+    announce_eval(cfg.data, data.eval, args.per_device_eval_batch_size, topo.dp_size, args.process_index == 0)
     model = lora.apply(load_model(cfg.model), cfg, args)
     _enable_activation_checkpointing(model, args)
     decay_ids = _decay_parameter_ids(model)

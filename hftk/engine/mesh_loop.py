@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from hftk import strategies
 from hftk.checkpoint import announce_resume, resolve_resume
-from hftk.data import IGNORE_INDEX
+from hftk.data import IGNORE_INDEX, announce_eval
 from hftk.engine.guard import check_world
 from hftk.engine.trainer import load_data
 from hftk.errors import HftkError
@@ -433,6 +433,7 @@ def train(prepared: PreparedRun) -> dict[str, float]:
 
     micro = t["per_device_train_batch_size"]
     global_batch = micro * t.get("gradient_accumulation_steps", 1) * layout.data_size
+    announce_eval(cfg.data, data.eval, t.get("per_device_eval_batch_size", 8), layout.data_size, main)
     steps_per_epoch = len(data.train) // global_batch
     if steps_per_epoch == 0:
         raise HftkError("training.per_device_train_batch_size",

@@ -17,7 +17,7 @@ from hftk import lora, strategies
 from hftk.checkpoint import announce_resume, install_atomic_checkpoints, resolve_resume, staged_folder
 from hftk.comm.callback import CompressionCallback
 from hftk.comm.register import is_active as comm_active
-from hftk.data import tokenize_and_pack
+from hftk.data import announce_eval, tokenize_and_pack
 from hftk.engine.guard import WorldGuard, check_world
 from hftk.errors import HftkError
 from hftk.memory import ModelStateCallback
@@ -129,6 +129,7 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     check_world(args.world_size)
 
     tokenizer, data = load_data(prepared, args)
+    announce_eval(cfg.data, data.eval, args.per_device_eval_batch_size, args.world_size, args.process_index == 0)
     model = strategy.prepare_model(lora.apply(load_model(cfg.model), cfg, args), cfg)  # LoRA before any sharding
 
     # A strategy that owns its model/optimizer I/O (FSDP2 shards) supplies its own Trainer.
