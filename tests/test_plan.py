@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from hftk import allocator
 from hftk.builtin import builtin_model_config
 from hftk.errors import HftkError
-from hftk.plan import GIB, HEADROOM, PLAN_STRATEGIES, PlanInputs, estimate, model_shape, pick, plan, resolve_auto
-from tests.helpers import ROOT, TINY_ARGS, free_port, run
+from hftk.plan import GIB, HEADROOM, MIB, PLAN_STRATEGIES, PlanInputs, estimate, model_shape, pick, plan, resolve_auto
+from tests.helpers import FINETUNE, ROOT, TINY_ARGS, free_port, metrics, run, torchrun
 
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 MICRO_BATCH = 4
@@ -205,3 +206,37 @@ def test_plan_predicts_each_ranks_model_state_within_5_percent(measured, tiny_sh
     for rank, counted in enumerate(record["ranks"]):
         error = predicted.model_state / counted["total"] - 1
         assert abs(error) <= TOLERANCE, (strategy, rank, predicted.to_dict(), counted)
+
+
+# ---- auto's budget holds as a user launches: no allocator variables, default telemetry ----
+
+@pytest.mark.slow
+def test_auto_budget_holds_without_any_allocator_setting(tmp_path, monkeypatch):
+    """gpt2-90m on 2 gloo ranks under a budget only a sharded strategy fits: every rank's measured
+    training-phase peak RSS stays under it. The test sets no MALLOC_* variable (hftk.allocator tunes
+    glibc itself; with glibc's defaults FSDP's peak was twice the plan's). The same run shows the
+    evaluation line: blocks capped by data.max_eval_samples, batches per rank."""
+    for name in [*allocator.SETTINGS, "GLIBC_TUNABLES"]:
+        monkeypatch.delenv(name, raising=False)
+    shape = model_shape(builtin_model_config("builtin:gpt2-90m"))
+    inputs = PlanInputs(world_size=2, device_memory_bytes=GIB, seq_len=32, micro_batch=1, device="cpu")
+    plans = {p.strategy: p for p in plan(shape, inputs)}
+    budget = plans["fsdp"].device_total / (1 - HEADROOM) * 1.01
+    usable = budget * (1 - HEADROOM)
+    assert plans["ddp"].device_total > usable and plans["zero2"].device_total > usable  # only sharding fits
+    out = tmp_path / "out"
+    launch = torchrun(2, FINETUNE, [
+        "--model_name_or_path", "builtin:gpt2-90m", "--block_size", "32", "--per_device_train_batch_size", "1",
+        "--max_steps", "4", "--max_train_samples", "400", "--eval_fraction", "0.1", "--max_eval_samples", "6",
+        "--per_device_eval_batch_size", "2", "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none",
+        "--logging_steps", "1", "--disable_tqdm", "true", "--strategy", "auto",
+        "--device_memory_gb", f"{budget / GIB:.4f}", "--output_dir", str(out)], timeout=900)
+    assert launch.returncode == 0, launch.output[-5000:]
+    assert "hftk: strategy auto -> fsdp (" in launch.stdout
+    assert launch.stdout.count("hftk: evaluation: 6 blocks of 32 tokens, 2 batches of 2 per rank over 2 "
+                               "data-parallel rank(s) per evaluation (capped by data.max_eval_samples=6)") == 1
+    windows = [m for m in metrics(out) if "rank_stats" in m]
+    assert len(windows) == 4 and all(m["peak_mem_kind"] == "rss_hwm" for m in windows)
+    peaks = [max(m["rank_stats"]["peak_mem_mb"][rank] for m in windows) * MIB for rank in range(2)]
+    assert all(peak < budget for peak in peaks), (f"peak RSS per rank {[round(p / MIB) for p in peaks]} MiB, budget "
+                                                 f"{budget / MIB:.0f} MiB, plan {plans['fsdp'].device_total / MIB:.0f}")
