@@ -8,7 +8,8 @@ fixes that, but glibc reads those variables only when a process starts; ``mallop
 two parameters in a running process (and, like the variables, turns the dynamic threshold off).
 :func:`hftk.run.prepare` calls :func:`return_freed_memory` before any model exists, so every
 engine, bench and test worker runs with it. A setting the user gave through the environment
-(the variable or ``GLIBC_TUNABLES``) wins; on another C library nothing is changed.
+(the variable or ``GLIBC_TUNABLES``) wins; on another C library nothing is changed. The price is
+kernel time: freed pages fault in again on their next use (README: +40-65% CPU per step on CPU).
 """
 
 from __future__ import annotations
