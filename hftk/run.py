@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from hftk import allocator, launch, plan, strategies, validate
-from hftk.config import load_config
+from hftk.config import RunConfig, load_config
 from hftk.data import check_raw, load_raw
 from hftk.errors import HftkError
 from hftk.modeling import load_model_config, resolve_model_path
@@ -22,10 +22,12 @@ def prepare(argv: list[str] | None = None) -> PreparedRun:
     """Parse, validate and read what validation needs: config, model config, raw data; then write a
     built-in model into its cache (before any process group: see ``builtin.materialize_model``).
 
-    First of all glibc is told to give freed memory back (``allocator``): every engine, bench and
-    test worker starts here, before any model exists."""
-    allocator.return_freed_memory()
+    A run that trains on CPU first tells glibc to give freed memory back (``allocator``): every
+    engine, bench and test worker starts here, before any model exists. GPU runs keep glibc's
+    defaults: their host memory is not what the plan budgets, and the setting costs CPU time."""
     cfg = load_config(argv)
+    if trains_on_cpu(cfg):
+        allocator.return_freed_memory()
     launch.adopt_launcher_strategy(cfg)  # accelerate_configs/<strategy>.yaml says it through the environment
     validate.check_config(cfg)
     world_size = validate.launch_world_size()
@@ -38,6 +40,12 @@ def prepare(argv: list[str] | None = None) -> PreparedRun:
     data_format = check_raw(cfg.data, raw)
     resolve_model_path(cfg.model)  # valid input: a built-in is written now, before any process group
     return PreparedRun(cfg=cfg, model_config=model_config, raw=raw, data_format=data_format, world_size=world_size)
+
+
+def trains_on_cpu(cfg: RunConfig) -> bool:
+    import torch
+
+    return bool(cfg.training.get("use_cpu")) or not torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> int:
