@@ -207,7 +207,7 @@ def sigterm_the_launcher(run) -> tuple[Launch, float]:
 
     sent = time.time()
     os.kill(run.proc.pid, signal.SIGTERM)
-    result = run.finish(timeout=GRACE_S + 60)
+    result = run.finish(timeout=sent - run.started + GRACE_S + 60)  # finish counts from the launch
     return result, time.time() - sent
 
 

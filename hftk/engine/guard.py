@@ -23,7 +23,6 @@ from transformers import TrainerCallback
 from hftk.errors import HftkError
 
 
-
 def launch_fix(processes: int | str = "N") -> str:
     """The launches that do start ``processes`` ranks, on GPUs and CPU-only machines alike."""
     return (f"launch with `accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes {processes} "
