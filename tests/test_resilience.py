@@ -277,6 +277,22 @@ def test_sigterm_in_the_step_before_an_evaluation_saves_without_evaluating(engin
     assert seconds < GRACE_S
 
 
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_sigterm_during_the_final_evaluation_saves_the_last_step_and_exits_75(engine, tmp_path):
+    """No evaluation during training: the one after the last step (outside the Trainer's loop on its path)."""
+    from tests.workers.slow_eval import EVAL_MARKER
+
+    args = [*TINY_ARGS, "--max_steps", "2", "--per_device_eval_batch_size", "1", "--per_device_train_batch_size", "4"]
+    run = start(2, [*args, *ENGINES[engine]], tmp_path / "run", script=WORKERS / "slow_eval.py",
+                env={"HFTK_EVAL_SLEEP_S": str(EVAL_SLEEP_S), "HFTK_EXIT_DIR": str(tmp_path / "exit")})
+    wait_for_output(run, EVAL_MARKER, timeout=300)
+    stopped, seconds = sigterm_the_launcher(run)
+    assert exit_codes(tmp_path / "exit") == {"rank-0": EXIT_PREEMPTED, "rank-1": EXIT_PREEMPTED}, stopped.output[-5000:]
+    assert "hftk: stopped at step 2: preempted (SIGTERM) during evaluation" in stopped.stderr, stopped.stderr[-4000:]
+    assert steps_of(list_checkpoints(tmp_path / "run")) == [2] and is_complete(tmp_path / "run" / "checkpoint-2")
+    assert not (tmp_path / "run" / "final").exists() and seconds < GRACE_S
+
+
 # ------------------------------------------------------------------ kill during a checkpoint write
 
 
