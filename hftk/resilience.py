@@ -6,8 +6,13 @@ same decision at the same step; a rank reacting alone would wait forever in the 
 of a save the others never start.
 
 - Preemption: the step in flight finishes, every rank saves an emergency checkpoint (atomic,
-  see :mod:`hftk.checkpoint`) and the process exits with :data:`EXIT_PREEMPTED`. A second
-  signal while that is under way gets the default action (the scheduler insists).
+  see :mod:`hftk.checkpoint`) and the process exits with :data:`EXIT_PREEMPTED`. An evaluation
+  that was due after that step is skipped: the grace period (torchrun's ``--shutdown_timeout``,
+  30 s; a scheduler's kill wait) belongs to the save. A signal that arrives during an
+  evaluation stops it at the next eval batch: every rank agrees on the flag once per batch
+  (:func:`check_evaluation`) and raises :class:`EvaluationInterrupted` at the same batch, then
+  the engine saves and exits the same way. A second signal while that is under way gets the
+  default action (the scheduler insists).
 - Non-finite gradient (a NaN/Inf loss on any rank): the update is dropped (no parameter or
   optimizer-state change; the step counter and learning-rate schedule still advance). With
   ``resilience.nan_policy=stop`` the run then saves that state and exits with
@@ -21,12 +26,13 @@ emergency checkpoint (see :func:`hftk.checkpoint.resolve_resume`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 from transformers import TrainerCallback
@@ -36,6 +42,7 @@ EXIT_NONFINITE = 65  # os.EX_DATAERR: nan_policy=stop met a NaN/Inf loss
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def check_restartable(env: dict[str, str]) -> None:
@@ -65,9 +72,24 @@ class PreemptionSignal:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
     def install(self) -> None:
+        if self.installed:
+            return
         for sig in PREEMPTION_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[PreemptionSignal]:
+        """Installed for the body (training and the evaluations after it), uninstalled after."""
+        self.install()
+        try:
+            yield self
+        finally:
+            self.uninstall()
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
@@ -91,6 +113,44 @@ def agree(flags: list[bool], device: Any) -> list[bool]:
     tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return [bool(v) for v in tensor.tolist()]
+
+
+class EvaluationInterrupted(Exception):
+    """A preemption signal reached some rank during an evaluation; every rank raises it at the same batch.
+
+    Not a ``RuntimeError``: the Trainer's ``_evaluate`` inspects those for out-of-memory errors.
+    """
+
+
+def check_evaluation(preemption: PreemptionSignal, device: Any) -> None:
+    """Once per eval batch on every rank: raise :class:`EvaluationInterrupted` everywhere when any rank
+    has seen a preemption signal (one small all-reduce, so no rank is left waiting in a collective)."""
+    if agree([preemption.received is not None], device)[0]:
+        raise EvaluationInterrupted(signal_name(preemption))
+
+
+def preemptible(batches: Iterable[T], preemption: PreemptionSignal, device: Any) -> Iterator[T]:
+    """``batches`` with :func:`check_evaluation` before each one, for the loops that own their evaluation.
+
+    Ranks may hold different numbers of batches (a data-parallel shard one sample shorter): the
+    count agreed is the longest, and a rank that is done keeps taking part in the check.
+    """
+    import torch.distributed as dist
+
+    count = torch.tensor([len(batches)], device=device)  # type: ignore[arg-type]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    items, done = iter(batches), object()
+    for _ in range(int(count[0])):
+        check_evaluation(preemption, device)
+        item = next(items, done)
+        if item is not done:
+            yield item  # type: ignore[misc]
+
+
+def signal_name(preemption: PreemptionSignal) -> str:
+    """How a stop message names the signal: this rank's, or another rank's that the agreement carried."""
+    return signal.Signals(preemption.received).name if preemption.received else "a signal on another rank"
 
 
 def nonfinite_gradients(parameters: Iterable[torch.nn.Parameter]) -> bool:
@@ -126,12 +186,15 @@ class StepGuard(TrainerCallback):
         self.reason = ""
         self.nonfinite_steps: list[int] = []
         self._nonfinite_now = False
+        self._owns_signal = False  # installed by on_train_begin, not by an engine's ``signal.watching()``
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._owns_signal = not self.signal.installed
         self.signal.install()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.signal.uninstall()
+        if self._owns_signal:
+            self.signal.uninstall()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         preempted, nonfinite = agree([self.signal.received is not None, self._local_nonfinite()], args.device)
@@ -142,8 +205,7 @@ class StepGuard(TrainerCallback):
             if self.nan_policy == "stop" and self.exit_code is None:
                 self.exit_code, self.reason = EXIT_NONFINITE, "a NaN/Inf loss (resilience.nan_policy=stop)"
         if preempted and self.exit_code is None:
-            name = signal.Signals(self.signal.received).name if self.signal.received else "a signal on another rank"
-            self.exit_code, self.reason = EXIT_PREEMPTED, f"preempted ({name})"
+            self.exit_code, self.reason = EXIT_PREEMPTED, f"preempted ({signal_name(self.signal)})"
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._nonfinite_now:
@@ -154,6 +216,20 @@ class StepGuard(TrainerCallback):
         if self.exit_code is not None:
             control.should_save = True
             control.should_training_stop = True
+            control.should_evaluate = False  # the grace period is for the save
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.exit_code is not None:
+            control.should_evaluate = False  # an epoch-end evaluation would run before the save, too
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After each eval batch: the Trainer's evaluation loop has no stop flag, so every rank raises."""
+        try:
+            check_evaluation(self.signal, args.device)
+        except EvaluationInterrupted as stop:
+            if self.exit_code is None:
+                self.exit_code, self.reason = EXIT_PREEMPTED, f"preempted ({stop}) during evaluation"
+            raise
 
     def _local_nonfinite(self) -> bool:
         trainer = self.trainer
@@ -163,10 +239,33 @@ class StepGuard(TrainerCallback):
         return nonfinite_gradients(trainer.model.parameters())
 
 
-def stop_if_interrupted(trainer: Any) -> None:
-    """After ``trainer.train()``: exit with the guard's code when it stopped the run early."""
-    guard = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StepGuard)), None)
-    if guard is None or guard.exit_code is None:
+def step_guard(trainer: Any) -> StepGuard:
+    return next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StepGuard))
+
+
+def guarded(trainer: Any, work: Callable[[], T]) -> T:
+    """``trainer.train`` or an evaluation after it; exits with the guard's code when it stopped the run.
+
+    A stop at a step end was saved by the Trainer itself (``control.should_save``). An evaluation
+    interrupted by preemption left the Trainer through :class:`EvaluationInterrupted`, on every
+    rank at the same batch; its emergency checkpoint is saved here by the two calls the Trainer
+    makes for ``control.should_save`` (``_maybe_log_save_evaluate``), at the step already taken.
+    """
+    try:
+        result = work()
+    except EvaluationInterrupted:
+        trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
+        raise_stop(trainer)  # exits: the guard set its code before raising
+        raise
+    raise_stop(trainer)
+    return result
+
+
+def raise_stop(trainer: Any) -> None:
+    """Exit with the guard's code when it stopped the run early (after its checkpoint was saved)."""
+    guard = step_guard(trainer)
+    if guard.exit_code is None:
         return
     from hftk.checkpoint import list_checkpoints
 

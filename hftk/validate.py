@@ -14,6 +14,7 @@ import torch
 
 from hftk.comm.register import validate as check_compression
 from hftk.config import RunConfig
+from hftk.engine.guard import check_accelerate_launch, parent_argv
 from hftk.errors import HftkError
 from hftk.lora import validate as check_lora
 from hftk.resilience import check_restartable
@@ -78,6 +79,7 @@ def check_config(cfg: RunConfig) -> None:
         raise HftkError("hub.hub_upload_retries", "must be at least 1.", "set it to 1 or more (default 5).")
     check_compression(cfg.strategy, launch_world_size(), dict(os.environ))
     check_restartable(dict(os.environ))
+    check_accelerate_launch(dict(os.environ), parent_argv())
     _check_parallel_degrees(cfg)
     _check_output_dir(cfg)
 

@@ -22,7 +22,7 @@ from hftk.checkpoint import COMPLETE_MARKER, STAGING_DIR, is_complete, list_chec
 from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED
 from tests.faults import (RUN_ARGS, SAVE_STEPS, STEPS, reference_run, side_by_side, start, wait_for_step,
                           worker_pid)
-from tests.helpers import ROOT, TINY_ARGS, free_port, load_weights, losses, max_weight_diff
+from tests.helpers import ROOT, TINY_ARGS, Launch, free_port, load_weights, losses, max_weight_diff, metrics
 
 pytestmark = pytest.mark.slow
 WORKERS = ROOT / "tests" / "workers"
@@ -165,6 +165,132 @@ def test_resume_from_the_emergency_checkpoint_reproduces_the_losses(preempted, r
     for s in range(1, STEPS + 1):
         assert got[s] == pytest.approx(ref[s], abs=TOLERANCE), (s, step)
     assert max_weight_diff(load_weights(reference / "final"), load_weights(out / "final")) <= TOLERANCE
+
+
+# ------------------------------------------------------------------ preemption and evaluation
+
+
+GRACE_S = 30  # torchrun's --shutdown_timeout default: SIGTERM to the workers, SIGKILL this long after
+EVAL_SLEEP_S = 1.0  # per decoder-block forward in eval mode: 37 eval blocks make every evaluation here > GRACE_S
+EVAL_ARGS = [*TINY_ARGS, "--max_steps", "4", "--eval_strategy", "steps", "--eval_steps", "2",
+             "--per_device_eval_batch_size", "1", "--per_device_train_batch_size", "4"]
+ENGINES = {  # engine -> strategy options (2 ranks each)
+    "trainer": ["--strategy", "ddp"],
+    "loop": ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2"],
+    "mesh_loop": ["--strategy", "tp", "--tp_size", "2"],
+}
+
+
+def wait_for_output(run, text: str, timeout: float) -> None:
+    """Block until ``text`` appears on the run's stderr."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if text in run.output()[1]:
+            return
+        if run.proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc {run.proc.returncode}) before {text!r}:\n{run.output()[1][-5000:]}")
+        time.sleep(0.05)
+    run.kill()
+    raise AssertionError(f"{text!r} not seen within {timeout}s")
+
+
+def exit_codes(folder) -> dict[str, int]:
+    return {f.name: int(f.read_text()) for f in sorted(folder.glob("rank-*"))}
+
+
+def sigterm_the_launcher(run) -> tuple[Launch, float]:
+    """SIGTERM to torchrun, as a scheduler or Kubernetes sends it: torchrun forwards it to the workers and
+    kills them GRACE_S later. Returns the launch and the seconds from the signal to its end."""
+    import time
+
+    sent = time.time()
+    os.kill(run.proc.pid, signal.SIGTERM)
+    result = run.finish(timeout=sent - run.started + GRACE_S + 60)  # finish counts from the launch
+    return result, time.time() - sent
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def eval_preempted(request, tmp_path_factory):
+    """SIGTERM once the step-2 evaluation (longer than the grace period) is running; then a plain resume."""
+    from tests.workers.slow_eval import EVAL_MARKER
+
+    engine = request.param
+    root = tmp_path_factory.mktemp(f"eval_preempted_{engine}")
+    args = [*EVAL_ARGS, *ENGINES[engine]]
+    run = start(2, args, root / "run", script=WORKERS / "slow_eval.py",
+                env={"HFTK_EVAL_SLEEP_S": str(EVAL_SLEEP_S), "HFTK_EXIT_DIR": str(root / "exit")})
+    wait_for_output(run, EVAL_MARKER, timeout=300)
+    stopped, seconds = sigterm_the_launcher(run)
+    emergency = list_checkpoints(root / "run")
+    resumed = start(2, [*args, "--resume_from_checkpoint", "latest"], root / "run").finish(timeout=400)
+    return root, stopped, seconds, emergency, resumed
+
+
+def test_sigterm_during_evaluation_saves_within_the_grace_period_and_exits_75(eval_preempted):
+    root, stopped, seconds, emergency, _ = eval_preempted
+    assert exit_codes(root / "exit") == {"rank-0": EXIT_PREEMPTED, "rank-1": EXIT_PREEMPTED}, stopped.output[-5000:]
+    assert seconds < GRACE_S, f"{seconds:.1f}s from SIGTERM to exit; torchrun kills at {GRACE_S}s"
+    assert steps_of(emergency) == [2] and is_complete(emergency[0])
+    assert "hftk: stopped at step 2: preempted (SIGTERM) during evaluation" in stopped.stderr, stopped.stderr[-4000:]
+    assert "Unable to shutdown process" not in stopped.stderr  # torchrun never had to SIGKILL
+
+
+@pytest.fixture(scope="module")
+def eval_reference(tmp_path_factory):
+    """The Trainer run of EVAL_ARGS, uninterrupted."""
+    out = tmp_path_factory.mktemp("eval_reference") / "run"
+    result = start(2, [*EVAL_ARGS, *ENGINES["trainer"]], out).finish(timeout=400)
+    assert result.returncode == 0, result.output[-6000:]
+    return out
+
+
+def test_a_checkpoint_saved_in_an_interrupted_evaluation_resumes(eval_preempted, request):
+    root, _, _, _, resumed = eval_preempted
+    assert resumed.returncode == 0, resumed.output[-6000:]
+    assert re.search(r"hftk: resuming from \S+/checkpoint-2\b", resumed.stderr), resumed.stderr[-3000:]
+    assert {m["step"] for m in metrics(root / "run") if "eval_loss" in m} == {4}  # the interrupted one logged nothing
+    assert sorted(losses(root / "run")) == [1, 2, 3, 4]
+    assert (root / "run" / "final" / "config.json").exists()
+    if request.node.callspec.params["eval_preempted"] == "trainer":  # exactly the uninterrupted run
+        reference = request.getfixturevalue("eval_reference")
+        ref, got = losses(reference), losses(root / "run")
+        assert all(got[s] == pytest.approx(ref[s], abs=TOLERANCE) for s in ref), (ref, got)
+        assert max_weight_diff(load_weights(reference / "final"), load_weights(root / "run" / "final")) <= TOLERANCE
+
+
+@pytest.mark.parametrize("engine", ["trainer", "mesh_loop"])
+def test_sigterm_in_the_step_before_an_evaluation_saves_without_evaluating(engine, tmp_path):
+    """The signal lands inside step 2 (each step sleeps 2 s); step 2's evaluation is due next and must not run."""
+    from tests.workers.slow_eval import EVAL_MARKER
+
+    run = start(2, [*EVAL_ARGS, *ENGINES[engine]], tmp_path / "run", script=WORKERS / "slow_eval.py",
+                env={"HFTK_TRAIN_SLEEP_S": "1", "HFTK_EVAL_SLEEP_S": str(EVAL_SLEEP_S),
+                     "HFTK_EXIT_DIR": str(tmp_path / "exit")})
+    assert wait_for_step(run, 1, timeout=300) == 1
+    stopped, seconds = sigterm_the_launcher(run)
+    assert exit_codes(tmp_path / "exit") == {"rank-0": EXIT_PREEMPTED, "rank-1": EXIT_PREEMPTED}, stopped.output[-5000:]
+    assert "hftk: stopped at step 2: preempted (SIGTERM);" in stopped.stderr, stopped.stderr[-4000:]
+    assert EVAL_MARKER not in stopped.stderr and not any("eval_loss" in m for m in metrics(tmp_path / "run"))
+    assert steps_of(list_checkpoints(tmp_path / "run")) == [2] and is_complete(tmp_path / "run" / "checkpoint-2")
+    assert seconds < GRACE_S
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_sigterm_during_the_final_evaluation_saves_the_last_step_and_exits_75(engine, tmp_path):
+    """No evaluation during training: the one after the last step (outside the Trainer's loop on its path)."""
+    from tests.workers.slow_eval import EVAL_MARKER
+
+    args = [*TINY_ARGS, "--max_steps", "2", "--per_device_eval_batch_size", "1", "--per_device_train_batch_size", "4"]
+    run = start(2, [*args, *ENGINES[engine]], tmp_path / "run", script=WORKERS / "slow_eval.py",
+                env={"HFTK_EVAL_SLEEP_S": str(EVAL_SLEEP_S), "HFTK_EXIT_DIR": str(tmp_path / "exit")})
+    wait_for_output(run, EVAL_MARKER, timeout=300)
+    stopped, seconds = sigterm_the_launcher(run)
+    assert exit_codes(tmp_path / "exit") == {"rank-0": EXIT_PREEMPTED, "rank-1": EXIT_PREEMPTED}, stopped.output[-5000:]
+    assert "hftk: stopped at step 2: preempted (SIGTERM) during evaluation" in stopped.stderr, stopped.stderr[-4000:]
+    assert steps_of(list_checkpoints(tmp_path / "run")) == [2] and is_complete(tmp_path / "run" / "checkpoint-2")
+    assert not (tmp_path / "run" / "final").exists() and seconds < GRACE_S
 
 
 # ------------------------------------------------------------------ kill during a checkpoint write

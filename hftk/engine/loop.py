@@ -43,7 +43,8 @@ from hftk.engine.trainer import FINAL_DIR, build_training_arguments, load_data
 from hftk.hub import run_record, save_run_record, write_run_files
 from hftk.modeling import load_model
 from hftk.monitor import MetricsCallback, append_jsonl, parameter_digest
-from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionSignal, agree, nonfinite_gradients
+from hftk.resilience import (EXIT_NONFINITE, EXIT_PREEMPTED, EvaluationInterrupted, PreemptionSignal, agree,
+                             nonfinite_gradients, preemptible, signal_name)
 from hftk.run_types import PreparedRun
 from hftk.telemetry import RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops, flops_per_token
 
@@ -257,14 +258,13 @@ def _train_epochs(run: Run, pipeline: Any, steps_per_epoch: int, epochs: int) ->
     run.last_logged = state.global_step
     start, start_step = time.time(), state.global_step
     run.control = run.handler.on_train_begin(args, state, run.control)
-    run.signal.install()
-    try:
+    with run.signal.watching():  # through the final evaluation: a signal there interrupts it
         _run_epochs(run, pipeline, resume, steps_per_epoch, epochs, epochs_trained, skip_batches)
-    finally:
-        run.signal.uninstall()
+        metrics = _finish(run, pipeline, start, start_step) if run.exit_code is None else {}
     if run.exit_code is not None:
         _stop(run)
-    return _finish(run, pipeline, start, start_step)
+    _save_final(run, pipeline, metrics)
+    return metrics
 
 
 def _run_epochs(run: Run, pipeline: Any, resume: str | None, steps_per_epoch: int, epochs: int,
@@ -398,7 +398,7 @@ def _guard(run: Run) -> bool:
         if run.prepared.cfg.resilience.nan_policy == "stop" and run.exit_code is None:
             run.exit_code, run.stop_reason = EXIT_NONFINITE, "a NaN/Inf loss (resilience.nan_policy=stop)"
     if preempted and run.exit_code is None:
-        run.exit_code, run.stop_reason = EXIT_PREEMPTED, "preempted"
+        run.exit_code, run.stop_reason = EXIT_PREEMPTED, f"preempted ({signal_name(run.signal)})"
     return nonfinite
 
 
@@ -430,8 +430,8 @@ def _maybe_log_save_evaluate(run: Run, pipeline: Any, grad_norm: float | None, l
         logs["learning_rate"] = lr if lr is not None else run.scheduler.get_last_lr()[0]
         run.window_loss, run.last_logged = 0.0, state.global_step
         _log(run, logs)
-    if run.control.should_evaluate and run.eval_loader is not None:
-        _evaluate(run, pipeline)
+    if run.control.should_evaluate and run.eval_loader is not None and run.exit_code is None:
+        _evaluate_unless_preempted(run, pipeline)  # skipped after a preemption: the grace period is for the save
     if run.control.should_save:
         _save_checkpoint(run, pipeline)
         run.control = run.handler.on_save(args, state, run.control)
@@ -459,7 +459,7 @@ def _evaluate(run: Run, pipeline: Any) -> dict[str, float]:
     rt, start = run.rt, time.time()
     rows = pipeline.microbatch_rows(run.args.per_device_eval_batch_size, rt.microbatches)
     total = torch.zeros(2, dtype=torch.float64, device=rt.topo.device)
-    for batch in run.eval_loader:
+    for batch in preemptible(run.eval_loader, run.signal, rt.topo.device):
         loss_sum = pipeline.evaluate_batch(rt, _pad_rows(batch, rows))
         if rt.holds_last:
             count = float(_label_count(batch, run.count_shifted))
@@ -469,6 +469,16 @@ def _evaluate(run: Run, pipeline: Any) -> dict[str, float]:
     _log(run, dict(metrics))
     run.control = run.handler.on_evaluate(run.args, run.state, run.control, metrics=metrics)
     return metrics
+
+
+def _evaluate_unless_preempted(run: Run, pipeline: Any) -> dict[str, float]:
+    """``_evaluate``; when a preemption signal interrupts it, the run saves at this step and stops instead."""
+    try:
+        return _evaluate(run, pipeline)
+    except EvaluationInterrupted as stop:
+        run.exit_code, run.stop_reason = EXIT_PREEMPTED, f"preempted ({stop}) during evaluation"
+        _stop_after_step(run)
+        return {}
 
 
 def _check_replicas(run: Run) -> None:
@@ -486,7 +496,7 @@ def _check_replicas(run: Run) -> None:
 
 
 def _finish(run: Run, pipeline: Any, start: float, start_step: int) -> dict[str, float]:
-    """Train summary, final evaluation (unless the last step had one), consolidated final folder."""
+    """Train summary and final evaluation (unless the last step had one; an interrupted one saves a checkpoint)."""
     state = run.state
     runtime = time.time() - start
     steps = state.global_step - start_step
@@ -497,8 +507,9 @@ def _finish(run: Run, pipeline: Any, start: float, start_step: int) -> dict[str,
     run.control = run.handler.on_train_end(run.args, state, run.control)
     evaluated = any("eval_loss" in h and h["step"] == state.global_step for h in state.log_history)
     if run.eval_loader is not None and not evaluated:
-        metrics.update(_evaluate(run, pipeline))
-    _save_final(run, pipeline, metrics)
+        metrics.update(_evaluate_unless_preempted(run, pipeline))
+        if run.exit_code is not None:
+            _save_checkpoint(run, pipeline)
     return metrics
 
 

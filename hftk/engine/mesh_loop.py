@@ -42,7 +42,8 @@ from hftk.errors import HftkError
 from hftk.memory import model_state_bytes
 from hftk.modeling import load_model
 from hftk.monitor import append_jsonl
-from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED, PreemptionSignal, agree, nonfinite_gradients
+from hftk.resilience import (EXIT_NONFINITE, EXIT_PREEMPTED, EvaluationInterrupted, PreemptionSignal, agree,
+                             nonfinite_gradients, preemptible, signal_name)
 from hftk.run_types import PreparedRun
 from hftk.telemetry import RankMonitor, peak_memory_bytes
 
@@ -284,11 +285,12 @@ def train_step(layout: MeshLayout, micro_batches: list[dict[str, torch.Tensor]],
 
 
 @torch.no_grad()
-def evaluate(layout: MeshLayout, dataset: Any, batch_size: int, device: str) -> float:
+def evaluate(layout: MeshLayout, dataset: Any, batch_size: int, device: str, preemption: PreemptionSignal) -> float:
     """Mean next-token loss over every eval sample exactly once, in eval mode.
 
     Every rank runs the same number of forwards (sharded layouts need all ranks in each
-    collective): a rank with no samples left reads one with its labels masked out.
+    collective): a rank with no samples left reads one with its labels masked out. A preemption
+    signal on any rank stops it before the next batch (:class:`hftk.resilience.EvaluationInterrupted`).
     """
     model = layout.model
     model.eval()
@@ -296,7 +298,7 @@ def evaluate(layout: MeshLayout, dataset: Any, batch_size: int, device: str) -> 
     span = batch_size * layout.data_size
     total = torch.zeros((), dtype=torch.float64, device=device)
     tokens = torch.zeros((), dtype=torch.float64, device=device)
-    for start in range(0, n, span):
+    for start in preemptible(range(0, n, span), preemption, device):
         chunk = list(range(start, min(start + span, n)))
         mine = rank_slice(chunk, batch_size, layout.data_rank)
         batch = make_batch(dataset, mine or chunk[:1], device)
@@ -495,11 +497,12 @@ def train(prepared: PreparedRun) -> dict[str, float]:
                              count_memory=state_bytes is None, signalled=signal.received is not None)
             monitor.step_end()
             step += 1
-            stop = EXIT_PREEMPTED if out["preempted"] else None
+            stop, reason = (EXIT_PREEMPTED, f"preempted ({signal_name(signal)})") if out["preempted"] else (None, "")
             if out["skipped"]:
                 skipped += 1
                 reporter.log({"step": step, "nonfinite_steps_skipped": skipped, "nonfinite_loss": out["loss"]})
-                stop = stop or (EXIT_NONFINITE if cfg.resilience.nan_policy == "stop" else None)
+                if stop is None and cfg.resilience.nan_policy == "stop":
+                    stop, reason = EXIT_NONFINITE, "a NaN/Inf loss (resilience.nan_policy=stop)"
             else:
                 state_bytes = state_bytes or out["memory"]
                 window.append({"loss": out["loss"], "grad_norm": out["grad_norm"], "learning_rate": lr,
@@ -510,22 +513,30 @@ def train(prepared: PreparedRun) -> dict[str, float]:
                 result = {"train_loss": _log_window(reporter, window, step, steps_per_epoch, global_batch,
                                                     cfg.data.block_size, ranks)}
                 window = []
-            if data.eval is not None and t.get("eval_strategy") == "steps" and step % t.get("eval_steps", 500) == 0:
-                result.update(_log_eval(layout, data.eval, t, device, step, steps_per_epoch, reporter))
-                evaluated_at = step
+            # skipped after a stop: the grace period is for the save
+            if (stop is None and data.eval is not None and t.get("eval_strategy") == "steps"
+                    and step % t.get("eval_steps", 500) == 0):
+                try:
+                    result.update(_log_eval(layout, data.eval, t, device, step, steps_per_epoch, reporter, signal))
+                    evaluated_at = step
+                except EvaluationInterrupted as interrupted:
+                    stop, reason = EXIT_PREEMPTED, f"preempted ({interrupted}) during evaluation"
             if stop is not None or (t.get("save_strategy", "steps") == "steps" and step % t.get("save_steps", 500) == 0):
                 save(step)
             if stop is not None:
-                _exit(stop, step, cfg.output_dir, "preempted" if stop == EXIT_PREEMPTED else
-                      "a NaN/Inf loss (resilience.nan_policy=stop)")
-    signal.uninstall()
+                _exit(stop, step, cfg.output_dir, reason)
     monitor.detach()
     if state_bytes is not None:
         peak = monitor.training_peak_bytes()  # training phase (the final eval and save excluded)
         reporter.log({"step": step, "memory": gather_objects({**state_bytes, "peak": peak,
                                                               "lifetime_peak": lifetime_peak})})
     if data.eval is not None and evaluated_at != step:
-        result.update(_log_eval(layout, data.eval, t, device, step, steps_per_epoch, reporter))
+        try:
+            result.update(_log_eval(layout, data.eval, t, device, step, steps_per_epoch, reporter, signal))
+        except EvaluationInterrupted as interrupted:
+            save(step)
+            _exit(EXIT_PREEMPTED, step, cfg.output_dir, f"preempted ({interrupted}) during evaluation")
+    signal.uninstall()
     final = cfg.output_dir / FINAL_DIR
     mesh_checkpoint.save_hf_folder(final, layout, tokenizer,
                                    lambda folder: hub.write_run_files(folder, record(step, result), t.get("hub_model_id")))
@@ -563,8 +574,8 @@ def _log_window(reporter: Reporter, window: list[dict[str, float]], step: int, s
 
 
 def _log_eval(layout: MeshLayout, dataset: Any, t: dict[str, Any], device: str, step: int, steps_per_epoch: int,
-              reporter: Reporter) -> dict[str, float]:
-    loss = evaluate(layout, dataset, t.get("per_device_eval_batch_size", 8), device)
+              reporter: Reporter, preemption: PreemptionSignal) -> dict[str, float]:
+    loss = evaluate(layout, dataset, t.get("per_device_eval_batch_size", 8), device, preemption)
     record = {"step": step, "epoch": step / steps_per_epoch, "eval_loss": loss,
               "eval_perplexity": math.exp(min(loss, 50.0))}
     reporter.log(record)

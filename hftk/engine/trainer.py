@@ -24,7 +24,7 @@ from hftk.memory import ModelStateCallback
 from hftk.hub import run_pusher, run_record, save_run_record, write_run_files
 from hftk.modeling import load_model, load_tokenizer
 from hftk.monitor import MetricsCallback, SyncCheckCallback
-from hftk.resilience import StepGuard, stop_if_interrupted
+from hftk.resilience import StepGuard, guarded, step_guard
 from hftk.telemetry import RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops, flops_per_token
 from hftk.run_types import PreparedRun
 
@@ -153,12 +153,13 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     announce_resume(cfg.output_dir, resume, trainer.args.should_save)
     if trainer.args.should_save:  # what `hftk push checkpoint-N` writes the model card from
         save_run_record(cfg.output_dir, run_record(cfg, trainer.args, prepared.world_size, prepared.data_format, 0))
-    result = trainer.train(resume_from_checkpoint=resume)
-    stop_if_interrupted(trainer)  # preempted, or nan_policy=stop: exits with its own code
-    metrics = dict(result.metrics)
-    step = trainer.state.global_step
-    if data.eval is not None and not any("eval_loss" in h and h.get("step") == step for h in trainer.state.log_history):
-        metrics.update(trainer.evaluate())  # the Trainer did not evaluate the final weights itself
+    # Preempted, or nan_policy=stop: `guarded` saves (if the Trainer did not) and exits with its own code.
+    with step_guard(trainer).signal.watching():  # through the final evaluation: a signal there interrupts it
+        metrics = dict(guarded(trainer, lambda: trainer.train(resume_from_checkpoint=resume)).metrics)
+        step = trainer.state.global_step
+        if data.eval is not None and not any("eval_loss" in h and h.get("step") == step
+                                             for h in trainer.state.log_history):
+            metrics.update(guarded(trainer, trainer.evaluate))  # the Trainer did not evaluate the final weights
     with staged_folder(cfg.output_dir / FINAL_DIR, publisher=trainer.args.should_save) as final:
         if lora.is_peft(trainer.model):
             lora.save_final(trainer, final)  # the adapter, gathered from whatever shards it
