@@ -10,9 +10,9 @@ import sys
 
 from hftk import launch, plan, strategies, validate
 from hftk.config import load_config
-from hftk.data import check_raw, load_raw
+from hftk.data import combined_format, load_sources
 from hftk.errors import HftkError
-from hftk.modeling import load_model_config, resolve_model_path
+from hftk.modeling import load_model_config, load_tokenizer, resolve_model_path
 from hftk.run_types import PreparedRun
 
 EXIT_USAGE = 2
@@ -30,10 +30,11 @@ def prepare(argv: list[str] | None = None) -> PreparedRun:
     if cfg.strategy.strategy == "auto":
         cfg.strategy.strategy = plan.resolve_auto(cfg, model_config, world_size)
     strategies.get(cfg.strategy.strategy).validate(cfg, world_size)
-    raw = load_raw(cfg.data)
-    data_format = check_raw(cfg.data, raw)
+    # Conversations need the tokenizer's chat template now (a built-in model is then written early).
+    sources = load_sources(cfg.data, lambda: load_tokenizer(cfg.model, cfg.data.chat_template))
     resolve_model_path(cfg.model)  # valid input: a built-in is written now, before any process group
-    return PreparedRun(cfg=cfg, model_config=model_config, raw=raw, data_format=data_format, world_size=world_size)
+    return PreparedRun(cfg=cfg, model_config=model_config, raw=sources[0].raw, data_format=combined_format(sources),
+                       world_size=world_size, sources=sources)
 
 
 def main(argv: list[str] | None = None) -> int:
