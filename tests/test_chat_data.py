@@ -189,3 +189,14 @@ def test_bad_chat_input_is_one_clear_line(case_id, args, text, files, capsys):
     assert len(lines) == 1, lines
     assert lines[0].startswith("hftk: error: ") and text in lines[0] and "Fix:" in lines[0], lines[0]
     assert not dist.is_initialized() and not out.exists()
+
+
+def test_help_documents_every_new_option():
+    from hftk.config import build_parser
+
+    text = build_parser().format_help()
+    for option in ("--data_format", "--datasets", "--messages_field", "--conversations_field", "--instruction_field",
+                   "--input_field", "--output_field", "--chat_template", "--train_on_prompt", "--on_bad_row",
+                   "--truncation"):
+        assert option in text, option
+    assert "sharegpt" in text and "interleave_datasets" in text
