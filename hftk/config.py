@@ -133,6 +133,12 @@ class DataConfig:
         "(only the assistant turns that end inside the block keep their labels).",
         choices=["drop", "truncate"],
     )
+    tokenized_path: str | None = _opt(
+        None,
+        "Folder of blocks written by `hftk preprocess` (tokenised, templated, masked, packed once): training reads "
+        "it on every rank with no tokenisation; one made with another tokenizer, template, block size, format or "
+        "datasets is refused. For `hftk preprocess` the folder to write.",
+    )
 
 
 @dataclass

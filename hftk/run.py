@@ -18,9 +18,10 @@ from hftk.run_types import PreparedRun
 EXIT_USAGE = 2
 
 
-def prepare(argv: list[str] | None = None) -> PreparedRun:
-    """Parse, validate and read what validation needs: config, model config, raw data; then write a
-    built-in model into its cache (before any process group: see ``builtin.materialize_model``)."""
+def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> PreparedRun:
+    """Parse, validate and read what validation needs: config, model config, raw data (or the blocks of
+    ``data.tokenized_path``, checked against this config); then write a built-in model into its cache
+    (before any process group: see ``builtin.materialize_model``)."""
     cfg = load_config(argv)
     launch.adopt_launcher_strategy(cfg)  # accelerate_configs/<strategy>.yaml says it through the environment
     validate.check_config(cfg)
@@ -30,6 +31,12 @@ def prepare(argv: list[str] | None = None) -> PreparedRun:
     if cfg.strategy.strategy == "auto":
         cfg.strategy.strategy = plan.resolve_auto(cfg, model_config, world_size)
     strategies.get(cfg.strategy.strategy).validate(cfg, world_size)
+    if read_tokenized and cfg.data.tokenized_path:
+        from hftk import preprocess
+
+        tokenized = preprocess.load(cfg, load_tokenizer(cfg.model, cfg.data.chat_template))
+        return PreparedRun(cfg=cfg, model_config=model_config, raw=None, data_format=tokenized.data_format,
+                           world_size=world_size, tokenized=tokenized)
     # Conversations need the tokenizer's chat template now (a built-in model is then written early).
     sources = load_sources(cfg.data, lambda: load_tokenizer(cfg.model, cfg.data.chat_template))
     resolve_model_path(cfg.model)  # valid input: a built-in is written now, before any process group

@@ -16,8 +16,11 @@ class PreparedRun:
     data_format: str  # "text", "prompt_completion", "messages", or several joined by "+"
     world_size: int  # what the launcher asked for
     sources: list[Any] = field(default_factory=list)  # hftk.data.Source: every dataset of the run
+    tokenized: Any = None  # hftk.data.TokenizedData read from data.tokenized_path (then no sources)
 
     @property
     def has_eval(self) -> bool:
+        if self.tokenized is not None:
+            return self.tokenized.eval is not None
         splits = [s.cfg.eval_split for s in self.sources] or [self.cfg.data.eval_split]
         return any(splits) or self.cfg.data.eval_fraction > 0

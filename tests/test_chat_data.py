@@ -200,3 +200,29 @@ def test_help_documents_every_new_option():
                    "--truncation"):
         assert option in text, option
     assert "sharegpt" in text and "interleave_datasets" in text
+
+
+def test_preprocess_once_then_read_on_every_rank_or_refused_by_name(tmp_path, capsys):
+    from hftk.cli import main as hftk
+
+    data = write_jsonl(tmp_path / "chat.jsonl", [chat_row(turns=1 + i % 3) for i in range(6)])
+    args = [*CHAT, "--dataset", data, "--output_dir", str(tmp_path / "out")]
+    folder = tmp_path / "tok"
+    assert hftk(["preprocess", *args, "--tokenized_path", str(folder)]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("hftk: preprocess:")]
+    assert len(line) == 1 and "train: 6 blocks" in line[0]
+    p = prepare([*args, "--tokenized_path", str(folder)])
+    assert p.sources == [] and p.raw is None and p.data_format == "messages"
+    _, _, fresh = blocks([*args], tmp_path)
+    assert [r.tolist() for r in p.tokenized.train["labels"]] == [r.tolist() for r in fresh["labels"]]
+    capsys.readouterr()
+    # refused: the folder exists, another block size / template, not a tokenized folder
+    for extra, text in [(["preprocess", *args, "--tokenized_path", str(folder)], "already exists"),
+                        (["train", *args, "--tokenized_path", str(folder), "--block_size", "128"], "block_size"),
+                        (["train", *args, "--tokenized_path", str(folder), "--chat_template",
+                          str(tmp_path / "t.jinja")], "chat_template"),
+                        (["train", *args, "--tokenized_path", str(tmp_path)], "not a folder written by hftk preprocess")]:
+        (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+        assert hftk(extra) == 2
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(err) == 1 and "data.tokenized_path" in err[0] and text in err[0], err

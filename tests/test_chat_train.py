@@ -1,6 +1,7 @@
 """A conversation set trains on 2 gloo ranks (ddp through the Trainer, tp through the mesh loop) with the
 losses of one process, and final/ chats as trained: reloaded with from_pretrained, its tokenizer renders
-the generation prompt exactly as training rendered the conversations."""
+the generation prompt exactly as training rendered the conversations. Preprocessed once
+(``hftk preprocess``), it trains twice from the folder with the same losses."""
 
 from __future__ import annotations
 
@@ -43,6 +44,30 @@ def runs(tmp_path_factory):
     finetune(2, [*common, "--output_dir", str(root / "tp"), "--strategy", "tp", "--tp_size", "2",
                  "--per_device_train_batch_size", "8"], timeout=600)
     return root, data, single.output
+
+
+@pytest.fixture(scope="module")
+def from_folder(runs):
+    """hftk preprocess once, then two runs (1 process, 2 ddp ranks) read its blocks instead of tokenising."""
+    from hftk.cli import main as hftk
+    from tests.helpers import TINY_ARGS
+
+    root, data, _ = runs
+    common = [*CHAT, "--dataset", str(data), "--tokenized_path", str(root / "tokenized")]
+    assert hftk(["preprocess", *TINY_ARGS, *common, "--output_dir", str(root / "unused")]) == 0
+    one = finetune(1, [*common, "--output_dir", str(root / "tok_single"), "--per_device_train_batch_size", "8"])
+    two = finetune(2, [*common, "--output_dir", str(root / "tok_ddp"), "--per_device_train_batch_size", "4"])
+    return root, one.output + two.output
+
+
+@pytest.mark.parametrize("name", ["tok_single", "tok_ddp"])
+def test_training_from_the_preprocessed_folder_gives_the_same_losses(from_folder, name):
+    root, output = from_folder
+    assert "tokenize:" not in output  # no rank tokenised anything
+    ref, got = losses(root / "single"), losses(root / name)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=TOL), (name, step)
 
 
 @pytest.mark.parametrize("name", ["ddp", "tp"])

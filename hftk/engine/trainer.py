@@ -108,6 +108,8 @@ def load_data(prepared: PreparedRun, args: Any) -> tuple[Any, Any]:
     """Tokenizer and tokenised blocks (rank 0 first, the others read its cache); shared with hftk.engine.loop."""
     cfg = prepared.cfg
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)  # saved with it: checkpoints and final/
+    if prepared.tokenized is not None:  # hftk preprocess made the blocks; every rank read them in prepare
+        return tokenizer, prepared.tokenized
     with args.main_process_first(desc="tokenize"):
         data = tokenize_sources(prepared.sources, tokenizer, args.seed)
     if prepared.has_eval and data.eval is None:
