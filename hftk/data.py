@@ -189,7 +189,7 @@ def load_sources(cfg: DataConfig, tokenizer_loader: Any) -> list[Source]:
         fmt = check_raw(scfg, raw, field)
         template = None
         if fmt in (*CONVERSATIONAL, "alpaca"):
-            tokenizer = tokenizer or tokenizer_loader()
+            tokenizer = tokenizer if tokenizer is not None else tokenizer_loader()
             if fmt == "alpaca":
                 template = getattr(tokenizer, "chat_template", None) or None
             else:

@@ -226,3 +226,16 @@ def test_preprocess_once_then_read_on_every_rank_or_refused_by_name(tmp_path, ca
         assert hftk(extra) == 2
         err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
         assert len(err) == 1 and "data.tokenized_path" in err[0] and text in err[0], err
+
+
+def test_context_parallel_refuses_conversations(files, monkeypatch, capsys):
+    """cp needs full blocks; conversations are padded one per block: refused before any process group."""
+    from hftk.run import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = files / "out"
+    assert main(["--model_name_or_path", "builtin:llama-tiny", "--strategy", "cp", "--cp_size", "2", "--output_dir",
+                 str(out), "--dataset", str(files / "chat.jsonl"), "--chat_template", "chatml"]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and "Setting accelerator" not in x]
+    assert len(err) == 1 and err[0].startswith("hftk: error: data.data_format: context parallel") and "Fix:" in err[0]
+    assert not out.exists()

@@ -1,4 +1,4 @@
-"""A conversation set trains on 2 gloo ranks (ddp through the Trainer, tp through the mesh loop) with the
+"""A conversation set trains on 2 gloo ranks (ddp through the Trainer, tp through the mesh loop, pipeline through its loop) with the
 losses of one process, and final/ chats as trained: reloaded with from_pretrained, its tokenizer renders
 the generation prompt exactly as training rendered the conversations. Preprocessed once
 (``hftk preprocess``), it trains twice from the folder with the same losses."""
@@ -43,6 +43,8 @@ def runs(tmp_path_factory):
                  "--save_strategy", "steps", "--save_steps", "2"])
     finetune(2, [*common, "--output_dir", str(root / "tp"), "--strategy", "tp", "--tp_size", "2",
                  "--per_device_train_batch_size", "8"], timeout=600)
+    finetune(2, [*common, "--output_dir", str(root / "pipeline"), "--strategy", "pipeline", "--pp_size", "2",
+                 "--pp_microbatches", "4", "--per_device_train_batch_size", "8"], timeout=600)
     return root, data, single.output
 
 
@@ -70,7 +72,7 @@ def test_training_from_the_preprocessed_folder_gives_the_same_losses(from_folder
         assert got[step] == pytest.approx(ref[step], abs=TOL), (name, step)
 
 
-@pytest.mark.parametrize("name", ["ddp", "tp"])
+@pytest.mark.parametrize("name", ["ddp", "tp", "pipeline"])
 def test_losses_equal_one_process(runs, name):
     root, _, _ = runs
     ref, got = losses(root / "single"), losses(root / name)
@@ -85,7 +87,7 @@ def test_the_long_conversation_is_truncated_and_counted(runs):
     assert "truncated 1, dropped 0 of 40 conversations longer than block_size 256" in output
 
 
-@pytest.mark.parametrize("folder", ["single/final", "ddp/final", "ddp/checkpoint-2", "tp/final"])
+@pytest.mark.parametrize("folder", ["single/final", "ddp/final", "ddp/checkpoint-2", "tp/final", "pipeline/final"])
 def test_saved_tokenizer_renders_prompts_as_in_training(runs, folder):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
