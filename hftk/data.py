@@ -211,7 +211,8 @@ def normalise(cfg: DataConfig, raw: Any, fmt: str, template: Any, field: str) ->
         return raw, fmt
     tools_ok = bool(template) and chat.supports_tools(template)
     out = {}
-    for split, ds in raw.items():
+    for split in dict.fromkeys(s for s in (cfg.train_split, cfg.eval_split) if s):  # the splits this run reads
+        ds = raw[split]
         convert = _converter(cfg, fmt, template)
         datasets.disable_progress_bars()
         try:

@@ -239,3 +239,16 @@ def test_context_parallel_refuses_conversations(files, monkeypatch, capsys):
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and "Setting accelerator" not in x]
     assert len(err) == 1 and err[0].startswith("hftk: error: data.data_format: context parallel") and "Fix:" in err[0]
     assert not out.exists()
+
+
+def test_only_the_splits_the_run_reads_are_checked(tmp_path):
+    import datasets
+
+    folder = tmp_path / "hubish"
+    bad = {"messages": [[{"role": "user", "content": "x"}]]}  # no assistant turn: bad, but in an unused split
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([chat_row()]),
+                          "test": datasets.Dataset.from_dict(bad)}).save_to_disk(str(folder))
+    for split in ("train", "test"):
+        datasets.load_from_disk(str(folder))[split].to_json(str(tmp_path / "hub" / f"{split}.jsonl"))
+    p = prepare([*CHAT, "--dataset", str(tmp_path / "hub"), "--output_dir", str(tmp_path / "o")])
+    assert list(p.raw) == ["train"] and len(p.raw["train"]) == 1
