@@ -1,4 +1,4 @@
-"""A conversation set trains on 2 gloo ranks (ddp through the Trainer, tp through the mesh loop, pipeline through its loop) with the
+"""A conversation set trains on 2 gloo ranks (ddp and fsdp through the Trainer, tp through the mesh loop, pipeline through its loop) with the
 losses of one process, and final/ chats as trained: reloaded with from_pretrained, its tokenizer renders
 the generation prompt exactly as training rendered the conversations. Preprocessed once
 (``hftk preprocess``), it trains twice from the folder with the same losses."""
@@ -43,6 +43,8 @@ def runs(tmp_path_factory):
                  "--save_strategy", "steps", "--save_steps", "2"])
     finetune(2, [*common, "--output_dir", str(root / "tp"), "--strategy", "tp", "--tp_size", "2",
                  "--per_device_train_batch_size", "8"], timeout=600)
+    finetune(2, [*common, "--output_dir", str(root / "fsdp"), "--strategy", "fsdp", "--per_device_train_batch_size", "4"],
+             timeout=600)
     finetune(2, [*common, "--output_dir", str(root / "pipeline"), "--strategy", "pipeline", "--pp_size", "2",
                  "--pp_microbatches", "4", "--per_device_train_batch_size", "8"], timeout=600)
     return root, data, single.output
@@ -72,7 +74,7 @@ def test_training_from_the_preprocessed_folder_gives_the_same_losses(from_folder
         assert got[step] == pytest.approx(ref[step], abs=TOL), (name, step)
 
 
-@pytest.mark.parametrize("name", ["ddp", "tp", "pipeline"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "tp", "pipeline"])
 def test_losses_equal_one_process(runs, name):
     root, _, _ = runs
     ref, got = losses(root / "single"), losses(root / name)
