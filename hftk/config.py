@@ -26,6 +26,7 @@ from hftk.errors import HftkError
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "pipeline", "tp", "cp", "sp", "auto")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+DATA_FORMATS = ("auto", "text", "prompt_completion", "messages", "alpaca", "sharegpt")
 DEFAULT_MODEL = "builtin:gpt2-small"
 DEFAULT_DATASET = "builtin:kjv"
 
@@ -85,9 +86,11 @@ class DataConfig:
     eval_fraction: float = _opt(0.05, "Fraction of training rows held out for evaluation when eval_split is unset (0 disables).")
     data_format: str = _opt(
         "auto",
-        "'text' (loss on every token), 'prompt_completion' (loss on the completion only), or 'auto' "
-        "(prompt_completion when both fields exist).",
-        choices=["auto", "text", "prompt_completion"],
+        "'text' (loss on every token), 'prompt_completion' (loss on the completion only), 'messages' (chat "
+        "conversations, loss on the assistant turns), 'alpaca' (instruction / input / output), 'sharegpt' "
+        "(conversations of from / value), or 'auto' (detected from the columns, in that order: messages, "
+        "sharegpt, alpaca, prompt_completion, text).",
+        choices=list(DATA_FORMATS),
     )
     text_field: str = _opt("text", "Column holding the text for data_format=text.")
     prompt_field: str = _opt("prompt", "Column holding the prompt for data_format=prompt_completion.")
@@ -100,6 +103,46 @@ class DataConfig:
         "max_eval_samples), bounding what every evaluation costs; the count is printed at start.",
     )
     preprocessing_num_workers: int | None = _opt(None, "Processes for tokenisation (datasets.map num_proc).")
+    # Conversations, instruction formats and several datasets.
+    datasets: list[str] | None = _opt(
+        None,
+        "Several datasets (instead of data.dataset). In YAML a list of paths / Hub names or of mappings with "
+        "path, and optionally split, eval_split, format, config_name, revision, weight and any *_field option; "
+        "with weights they are mixed by datasets.interleave_datasets (seeded, probabilities from the weights), "
+        "without them concatenated. `--dataset a.jsonl,b.jsonl` is the command-line short form.",
+    )
+    messages_field: str = _opt("messages", "Column of [{role, content}, ...] lists for data_format=messages.")
+    conversations_field: str = _opt("conversations", "Column of [{from, value}, ...] lists for data_format=sharegpt.")
+    instruction_field: str = _opt("instruction", "Column of the instruction for data_format=alpaca.")
+    input_field: str = _opt("input", "Optional column of the instruction's input for data_format=alpaca.")
+    output_field: str = _opt("output", "Column of the answer for data_format=alpaca.")
+    chat_template: str | None = _opt(
+        None,
+        "Chat template for conversations: a shipped name (chatml) or a Jinja file; overrides the tokenizer's own. "
+        "Needed when the tokenizer has none. It is saved with the tokenizer in every checkpoint and in final/.",
+    )
+    train_on_prompt: bool = _opt(
+        False, "Conversations: put the loss on system / user turns too, not only on the assistant turns."
+    )
+    on_bad_row: str = _opt(
+        "error",
+        "A row that does not fit its format (unknown role, empty assistant turn, no final assistant turn, tool "
+        "turns the template cannot render): 'error' names the first one and stops, 'drop' skips them and prints "
+        "how many.",
+        choices=["error", "drop"],
+    )
+    truncation: str = _opt(
+        "drop",
+        "Conversations longer than block_size: 'drop' them (counted in a summary line) or 'truncate' them "
+        "(only the assistant turns that end inside the block keep their labels).",
+        choices=["drop", "truncate"],
+    )
+    tokenized_path: str | None = _opt(
+        None,
+        "Folder of blocks written by `hftk preprocess` (tokenised, templated, masked, packed once): training reads "
+        "it on every rank with no tokenisation; one made with another tokenizer, template, block size, format or "
+        "datasets is refused. For `hftk preprocess` the folder to write.",
+    )
 
 
 @dataclass

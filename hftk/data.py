@@ -1,4 +1,6 @@
-"""Datasets: load (Hub name, local file or folder, shipped corpus), tokenise, mask, pack, split.
+"""Datasets: load (Hub name, local file or folder, shipped corpus; one or several), detect and
+normalise the format (text, prompt/completion, chat messages, alpaca, sharegpt), check rows,
+tokenise, mask, pack or pad, split, mix.
 
 Tokenisation goes through ``datasets.map`` so its results are cached by fingerprint and a
 second run (or the second rank) reads them instead of recomputing.
@@ -6,15 +8,28 @@ second run (or the second rank) reads them instead of recomputing.
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hftk import builtin
-from hftk.config import DataConfig
+from hftk import builtin, chat
+from hftk.chat import IGNORE_INDEX
+from hftk.config import DATA_FORMATS, DEFAULT_DATASET, DataConfig, is_main_process
 from hftk.errors import HftkError
 
-IGNORE_INDEX = -100
+MESSAGES = "messages"  # the column every conversational format is normalised into
+CONVERSATIONAL = ("messages", "sharegpt")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool"}
+# The Alpaca prompt (Taori et al., 2023), used when no chat template is in use.
+ALPACA_PROMPT = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
+                 "completes the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
+# data.datasets entry keys -> DataConfig fields
+ENTRY_KEYS = {"path": "dataset", "split": "train_split", "eval_split": "eval_split", "format": "data_format",
+              "config_name": "dataset_config_name", "revision": "dataset_revision",
+              **{f: f for f in ("text_field", "prompt_field", "completion_field", "messages_field",
+                                "conversations_field", "instruction_field", "input_field", "output_field")}}
 LOADERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -66,43 +81,240 @@ def _load_raw(cfg: DataConfig) -> Any:
                         "check the path or Hub name (and data.dataset_config_name).") from None
 
 
-def resolve_format(cfg: DataConfig, columns: list[str]) -> str:
-    """Decide text vs prompt/completion and check the needed columns exist."""
+@dataclass
+class Source:
+    """One dataset of the run: its own view of the data options, its raw splits (normalised), its format."""
+
+    cfg: DataConfig  # dataset, splits, format and field names of this dataset
+    raw: Any  # datasets.DatasetDict; conversational formats normalised into a 'messages' column
+    fmt: str  # text | prompt_completion | messages
+    weight: float | None
+    field: str  # how errors name it: data.dataset or data.datasets[i]
+
+
+def source_configs(cfg: DataConfig) -> list[tuple[DataConfig, float | None, str]]:
+    """Each dataset's options: ``data.datasets`` entries, or the comma-separated ``data.dataset``."""
+    if not cfg.datasets:
+        paths = [p.strip() for p in cfg.dataset.split(",") if p.strip()]
+        if not paths:
+            raise HftkError("data.dataset", "is empty.", "pass a dataset path or Hub name.")
+        field = "data.dataset"
+        return [(dataclasses.replace(cfg, dataset=p, datasets=None), None, field) for p in paths]
+    if cfg.dataset != DEFAULT_DATASET:
+        raise HftkError("data.datasets", "is set together with data.dataset.", "list every dataset in data.datasets.")
+    out = []
+    for i, entry in enumerate(cfg.datasets):
+        field = f"data.datasets[{i}]"
+        entry = {"path": entry} if isinstance(entry, str) else entry
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise HftkError(field, "needs a path.", "write '- path: data.jsonl' (or just the path).")
+        unknown = sorted(set(entry) - set(ENTRY_KEYS) - {"weight"})
+        if unknown:
+            raise HftkError(f"{field}.{unknown[0]}", "is not a dataset option.",
+                            f"use: {', '.join([*ENTRY_KEYS, 'weight'])}.")
+        weight = entry.get("weight")
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0):
+            raise HftkError(f"{field}.weight", f"must be a positive number, got {weight!r}.", "use e.g. 1 or 0.5.")
+        fmt = entry.get("format", cfg.data_format)
+        if fmt not in DATA_FORMATS:
+            raise HftkError(f"{field}.format", f"'{fmt}' is not a data format.",
+                            "use auto, text, prompt_completion, messages, alpaca or sharegpt.")
+        values = {ENTRY_KEYS[k]: v for k, v in entry.items() if k in ENTRY_KEYS}
+        out.append((dataclasses.replace(cfg, datasets=None, **values), None if weight is None else float(weight), field))
+    return out
+
+
+def describe(cfg: DataConfig) -> list[dict[str, Any]]:
+    """Every dataset of the run as the run record and model card list it."""
+    return [{"path": c.dataset, "split": c.train_split, "format": c.data_format, "weight": w}
+            for c, w, _ in source_configs(cfg)]
+
+
+def resolve_format(cfg: DataConfig, columns: list[str], first_row: dict[str, Any] | None = None) -> str:
+    """The declared format, or the one ``auto`` detects; checks the needed columns exist."""
+    from trl.data_utils import is_conversational, is_conversational_from_value
+
     fmt = cfg.data_format
+    row = first_row or {}
     if fmt == "auto":
-        fmt = "prompt_completion" if {cfg.prompt_field, cfg.completion_field} <= set(columns) else "text"
-    needed = [cfg.text_field] if fmt == "text" else [cfg.prompt_field, cfg.completion_field]
-    names = {cfg.text_field: "data.text_field", cfg.prompt_field: "data.prompt_field",
-             cfg.completion_field: "data.completion_field"}
-    for column in needed:
+        if cfg.messages_field in columns and is_conversational({"messages": row.get(cfg.messages_field) or [{}]}):
+            fmt = "messages"
+        elif cfg.conversations_field in columns and is_conversational_from_value(
+                {"conversations": row.get(cfg.conversations_field) or [{}]}):
+            fmt = "sharegpt"
+        elif {cfg.instruction_field, cfg.output_field} <= set(columns):
+            fmt = "alpaca"
+        elif {cfg.prompt_field, cfg.completion_field} <= set(columns):
+            fmt = "prompt_completion"
+        else:
+            fmt = "text"
+    needed = {"text": ["text_field"], "prompt_completion": ["prompt_field", "completion_field"],
+              "messages": ["messages_field"], "sharegpt": ["conversations_field"],
+              "alpaca": ["instruction_field", "output_field"]}[fmt]
+    for option in needed:
+        column = getattr(cfg, option)
         if column not in columns:
-            raise HftkError(names[column], f"column '{column}' is not in the dataset (columns: {', '.join(columns)}).",
-                            f"set {names[column]} to one of the columns.")
+            raise HftkError(f"data.{option}", f"column '{column}' is not in the dataset (columns: {', '.join(columns)}).",
+                            f"set data.{option} to one of the columns (or data.data_format to the right format).")
     return fmt
 
 
-def check_raw(cfg: DataConfig, raw: Any) -> str:
-    """Validation that needs the raw data: split, columns, emptiness. Returns the data format."""
+def check_raw(cfg: DataConfig, raw: Any, field: str = "data.dataset") -> str:
+    """Validation that needs the raw data: split, columns, emptiness. Returns the (declared) data format."""
     if cfg.train_split not in raw:
-        raise HftkError("data.train_split", f"split '{cfg.train_split}' is not in the dataset ({', '.join(raw)}).",
+        raise HftkError("data.train_split", f"split '{cfg.train_split}' is not in {cfg.dataset} ({', '.join(raw)}).",
                         "set data.train_split to an existing split.")
     if cfg.eval_split and cfg.eval_split not in raw:
-        raise HftkError("data.eval_split", f"split '{cfg.eval_split}' is not in the dataset ({', '.join(raw)}).",
+        raise HftkError("data.eval_split", f"split '{cfg.eval_split}' is not in {cfg.dataset} ({', '.join(raw)}).",
                         "set data.eval_split to an existing split or leave it unset.")
     train = raw[cfg.train_split]
-    fmt = resolve_format(cfg, list(train.column_names))
-    field = cfg.text_field if fmt == "text" else cfg.completion_field
-    if len(train) == 0 or not any(str(v or "").strip() for v in train.select(range(min(len(train), 1000)))[field]):
-        raise HftkError("data.dataset", f"the '{cfg.train_split}' split has no text in column '{field}'.",
-                        "point data.dataset at a non-empty dataset.")
+    if len(train) == 0:
+        raise HftkError(field, f"the '{cfg.train_split}' split of {cfg.dataset} has no rows.",
+                        "point it at a non-empty dataset.")
+    fmt = resolve_format(cfg, list(train.column_names), train[0])
+    if fmt in ("text", "prompt_completion"):
+        column = cfg.text_field if fmt == "text" else cfg.completion_field
+        if not any(str(v or "").strip() for v in train.select(range(min(len(train), 1000)))[column]):
+            raise HftkError(field, f"the '{cfg.train_split}' split of {cfg.dataset} has no text in column '{column}'.",
+                            "point it at a non-empty dataset.")
     return fmt
 
 
-def tokenize_and_pack(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> TokenizedData:
-    """Token ids + labels in fixed blocks of ``block_size``; prompts masked with -100.
+def load_sources(cfg: DataConfig, tokenizer_loader: Any) -> list[Source]:
+    """Load, check and normalise every dataset (before any process group). ``tokenizer_loader()`` is called
+    only when a format needs the chat template (conversations, alpaca)."""
+    sources, tokenizer = [], None
+    for scfg, weight, field in source_configs(cfg):
+        raw = load_raw(scfg)
+        fmt = check_raw(scfg, raw, field)
+        template = None
+        if fmt in (*CONVERSATIONAL, "alpaca"):
+            tokenizer = tokenizer if tokenizer is not None else tokenizer_loader()
+            if fmt == "alpaca":
+                template = getattr(tokenizer, "chat_template", None) or None
+            else:
+                template = chat.require_template(tokenizer, f"{scfg.dataset} holds conversations")
+        raw, fmt = normalise(scfg, raw, fmt, template, field)
+        sources.append(Source(cfg=scfg, raw=raw, fmt=fmt, weight=weight, field=field))
+    if any(s.weight is not None for s in sources) and len(sources) > 1:
+        for s in sources:
+            s.weight = 1.0 if s.weight is None else s.weight
+    return sources
 
-    ``max_eval_samples`` caps the evaluation blocks, not raw rows (run_clm's convention): a block
-    is what one evaluation forward costs, whatever the rows' lengths."""
+
+def normalise(cfg: DataConfig, raw: Any, fmt: str, template: Any, field: str) -> tuple[Any, str]:
+    """Conversational formats -> a 'messages' column, alpaca -> messages (chat template in use) or a
+    prompt/completion pair; rows that do not fit are refused or dropped (``data.on_bad_row``)."""
+    import datasets
+
+    if fmt in ("text", "prompt_completion"):
+        return raw, fmt
+    tools_ok = bool(template) and chat.supports_tools(template)
+    out = {}
+    for split in dict.fromkeys(s for s in (cfg.train_split, cfg.eval_split) if s):  # the splits this run reads
+        ds = raw[split]
+        convert = _converter(cfg, fmt, template)
+        datasets.disable_progress_bars()
+        try:
+            ds = ds.map(convert, batched=True, remove_columns=ds.column_names)
+        finally:
+            datasets.enable_progress_bars()
+        out[split] = _check_rows(ds, cfg, field, split, tools_ok)
+    new_fmt = "prompt_completion" if fmt == "alpaca" and not template else "messages"
+    return datasets.DatasetDict(out), new_fmt
+
+
+def _converter(cfg: DataConfig, fmt: str, template: Any) -> Any:
+    """A batched map function from the dataset's own columns to the normalised ones."""
+    from trl.data_utils import maybe_convert_to_chatml
+
+    def keep(turns: Any) -> list[dict[str, Any]]:
+        if not isinstance(turns, list):
+            return turns
+        return [{"role": t.get("role"), "content": t.get("content")} if isinstance(t, dict) else t for t in turns]
+
+    def messages(batch: dict[str, list]) -> dict[str, list]:
+        return {MESSAGES: [keep(t) for t in batch[cfg.messages_field]]}
+
+    def sharegpt(batch: dict[str, list]) -> dict[str, list]:
+        rows = []
+        for turns in batch[cfg.conversations_field]:
+            converted = keep(maybe_convert_to_chatml({"conversations": list(turns or [])})[MESSAGES])
+            rows.append([{**t, "role": SHAREGPT_ROLES.get(t["role"], t["role"])} if isinstance(t, dict) else t
+                         for t in converted])
+        return {MESSAGES: rows}
+
+    def alpaca(batch: dict[str, list]) -> dict[str, list]:
+        inputs = batch.get(cfg.input_field) or [""] * len(batch[cfg.instruction_field])
+        rows = list(zip(batch[cfg.instruction_field], inputs, batch[cfg.output_field]))
+        if template:
+            return {MESSAGES: [[{"role": "user", "content": f"{ins}\n\n{inp}" if inp else ins},
+                                {"role": "assistant", "content": out}] for ins, inp, out in rows]}
+        return {
+            cfg.prompt_field: [ALPACA_PROMPT.format(instruction=ins, input=f"### Input:\n{inp}\n\n" if inp else "",
+                                                    with_input=", paired with an input" if inp else "")
+                               for ins, inp, _ in rows],
+            cfg.completion_field: [out for _, _, out in rows],
+        }
+
+    return {"messages": messages, "sharegpt": sharegpt, "alpaca": alpaca}[fmt]
+
+
+def row_problem(row: dict[str, Any], tools_ok: bool, prompt_field: str, completion_field: str) -> str | None:
+    """Why a normalised row cannot be trained on, or None."""
+    if MESSAGES not in row:
+        return None if str(row.get(completion_field) or "").strip() else "the output is empty"
+    turns = row[MESSAGES]
+    if not isinstance(turns, list) or not turns:
+        return "the conversation is not a non-empty list of turns"
+    for i, turn in enumerate(turns):
+        role = turn.get("role") if isinstance(turn, dict) else None
+        if role not in chat.ROLES:
+            return f"turn {i} has unknown role {role!r} (known: {', '.join(chat.ROLES)})"
+        if role == "tool" and not tools_ok:
+            return f"turn {i} is a tool turn and the chat template does not render tool turns"
+        if not isinstance(turn.get("content"), str):
+            return f"turn {i} has no text content"
+        if role == "assistant" and not turn["content"].strip():
+            return f"turn {i} is an empty assistant turn"
+    first = next((t["role"] for t in turns if t["role"] != "system"), None)
+    if first == "assistant":
+        return "the conversation starts with an assistant turn (no prompt before it)"
+    if turns[-1]["role"] != "assistant":
+        return "the conversation does not end with an assistant turn"
+    return None
+
+
+def _check_rows(ds: Any, cfg: DataConfig, field: str, split: str, tools_ok: bool) -> Any:
+    problems = [(i, p) for i, row in enumerate(ds)
+                if (p := row_problem(row, tools_ok, cfg.prompt_field, cfg.completion_field))]
+    if not problems:
+        return ds
+    i, problem = problems[0]
+    if cfg.on_bad_row == "error":
+        raise HftkError(field, f"row {i} of split '{split}' of {cfg.dataset}: {problem} "
+                        f"({len(problems)} bad row(s) in all).",
+                        "fix those rows, or pass --on_bad_row drop to skip them.")
+    kinds = Counter(p.split(" ", 2)[-1] if p.startswith("turn ") else p for _, p in problems)
+    if is_main_process():
+        print(f"hftk: data: {cfg.dataset} [{split}]: dropped {len(problems)} of {len(ds)} rows ("
+              + "; ".join(f"{n} x {k}" for k, n in kinds.most_common()) + ")", flush=True)
+    bad = {i for i, _ in problems}
+    kept = ds.select([i for i in range(len(ds)) if i not in bad])
+    if len(kept) == 0:
+        raise HftkError(field, f"every row of split '{split}' of {cfg.dataset} was dropped ({problem}).",
+                        "fix the data or its format options.")
+    return kept
+
+
+@dataclass
+class Blocks:
+    train: Any
+    eval: Any | None
+
+
+def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> Blocks:
+    """One dataset's training (and held-out) blocks, unformatted."""
     train = raw[cfg.train_split]
     if cfg.max_train_samples:
         train = train.select(range(min(cfg.max_train_samples, len(train))))
@@ -110,29 +322,79 @@ def tokenize_and_pack(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed:
     if evals is None and cfg.eval_fraction > 0:
         split = train.train_test_split(test_size=cfg.eval_fraction, seed=seed, shuffle=True)
         train, evals = split["train"], split["test"]
+    template = chat.require_template(tokenizer, "the data holds conversations") if fmt == "messages" else None
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
-        return encode_batch(batch, tokenizer, cfg, fmt)
+        return encode_batch(batch, tokenizer, cfg, fmt, template)
 
-    def prepare(ds: Any) -> Any:
+    def prepare(ds: Any, name: str) -> Any:
+        n = len(ds)
         ds = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=cfg.preprocessing_num_workers,
                     desc="tokenize")
-        block = pack_blocks if cfg.packing else pad_blocks
+        if fmt == "messages":
+            _report_long(cfg, name, n, len(ds), sum(ds["truncated"]))
+            ds = ds.remove_columns("truncated")
+        # Conversations are never concatenated: one per block, padded.
+        packing = cfg.packing and fmt != "messages"
+        block = pack_blocks if packing else pad_blocks
         return ds.map(lambda b: block(b, cfg.block_size, tokenizer.pad_token_id), batched=True,
-                      remove_columns=ds.column_names, desc="pack" if cfg.packing else "pad")
+                      remove_columns=ds.column_names, desc="pack" if packing else "pad")
 
-    train_blocks = prepare(train)
+    train_blocks = prepare(train, cfg.train_split)
     if len(train_blocks) == 0:
-        raise HftkError("data.block_size", f"the training text is shorter than one block of {cfg.block_size} tokens.",
-                        "lower data.block_size or add data.")
-    eval_blocks = prepare(evals) if evals is not None else None
+        raise HftkError("data.block_size", f"the training text of {cfg.dataset} is shorter than one block of "
+                        f"{cfg.block_size} tokens (or every conversation is longer).",
+                        "lower data.block_size, add data, or pass --truncation truncate.")
+    eval_blocks = prepare(evals, "eval") if evals is not None else None
     if eval_blocks is not None and len(eval_blocks) == 0:
         eval_blocks = None
+    return Blocks(train_blocks, eval_blocks)
+
+
+def _report_long(cfg: DataConfig, split: str, before: int, after: int, truncated: int) -> None:
+    dropped = before - after
+    if (dropped or truncated) and is_main_process():
+        what = f"dropped {dropped}" if cfg.truncation == "drop" else f"truncated {truncated}, dropped {dropped}"
+        print(f"hftk: data: {cfg.dataset} [{split}]: {what} of {before} conversations longer than block_size "
+              f"{cfg.block_size} (data.truncation={cfg.truncation})", flush=True)
+
+
+def tokenize_and_pack(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> TokenizedData:
+    """Token ids + labels in fixed blocks of ``block_size``; prompts masked with -100 (one dataset)."""
+    blocks = _blocks(cfg, raw, tokenizer, fmt, seed)
+    return tokenized(cfg, blocks.train, blocks.eval, fmt)
+
+
+def tokenized(cfg: DataConfig, train: Any, eval_blocks: Any | None, data_format: str) -> TokenizedData:
+    """The run's blocks as torch tensors, the evaluation capped by ``max_eval_samples``.
+
+    The cap counts blocks, not raw rows (run_clm's convention): a block is what one evaluation
+    forward costs, whatever the rows' lengths."""
     if eval_blocks is not None and cfg.max_eval_samples:
         eval_blocks = eval_blocks.select(range(min(cfg.max_eval_samples, len(eval_blocks))))
-    return TokenizedData(train=train_blocks.with_format("torch"),
+    return TokenizedData(train=train.with_format("torch"),
                          eval=eval_blocks.with_format("torch") if eval_blocks is not None else None,
-                         data_format=fmt)
+                         data_format=data_format)
+
+
+def tokenize_sources(sources: list[Source], tokenizer: Any, seed: int) -> TokenizedData:
+    """Every dataset's blocks, mixed: interleaved by weight (seeded) when weights are given, else
+    concatenated; held-out blocks concatenated."""
+    import datasets
+
+    if len(sources) == 1:
+        s = sources[0]
+        return tokenize_and_pack(s.cfg, s.raw, tokenizer, s.fmt, seed)
+    parts = [_blocks(s.cfg, s.raw, tokenizer, s.fmt, seed) for s in sources]
+    if sources[0].weight is not None:
+        total = sum(s.weight for s in sources)
+        train = datasets.interleave_datasets([p.train for p in parts], probabilities=[s.weight / total for s in sources],
+                                             seed=seed)
+    else:
+        train = datasets.concatenate_datasets([p.train for p in parts])
+    evals = [p.eval for p in parts if p.eval is not None]
+    eval_blocks = datasets.concatenate_datasets(evals) if evals else None
+    return tokenized(sources[0].cfg, train, eval_blocks, combined_format(sources))
 
 
 def eval_line(cfg: DataConfig, blocks: int, batch_size: int, data_ranks: int) -> str:
@@ -155,20 +417,44 @@ def announce_eval(cfg: DataConfig, eval_blocks: Any | None, batch_size: int, dat
         print(eval_line(cfg, len(eval_blocks), batch_size, data_ranks), flush=True)
 
 
-def encode_batch(batch: dict[str, list], tokenizer: Any, cfg: DataConfig, fmt: str) -> dict[str, list]:
-    """Token ids and labels per example; an eos closes every example."""
+def combined_format(sources: list[Source]) -> str:
+    formats = sorted({s.fmt for s in sources})
+    return formats[0] if len(formats) == 1 else "+".join(formats)
+
+
+def encode_batch(batch: dict[str, list], tokenizer: Any, cfg: DataConfig, fmt: str,
+                 template: str | None = None) -> dict[str, list]:
+    """Token ids and labels per example; the tokenizer's BOS (if it adds one) opens it, an eos closes
+    text and completions, a conversation ends as its template ends it."""
+    bos = chat.bos_prefix(tokenizer)
+    if fmt == "messages":
+        return _encode_conversations(batch[MESSAGES], tokenizer, cfg, template or "")
     eos = [tokenizer.eos_token_id]
     if fmt == "text":
         texts = [t for t in batch[cfg.text_field] if t and t.strip()]
-        ids = [x + eos for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        ids = [bos + x + eos for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
         return {"input_ids": ids, "labels": [list(x) for x in ids]}
     prompts = tokenizer(batch[cfg.prompt_field], add_special_tokens=False)["input_ids"]
     completions = tokenizer(batch[cfg.completion_field], add_special_tokens=False)["input_ids"]
     input_ids, labels = [], []
     for p, c in zip(prompts, completions):
-        input_ids.append(p + c + eos)
-        labels.append([IGNORE_INDEX] * len(p) + c + eos)
+        input_ids.append(bos + p + c + eos)
+        labels.append([IGNORE_INDEX] * (len(bos) + len(p)) + c + eos)
     return {"input_ids": input_ids, "labels": labels}
+
+
+def _encode_conversations(conversations: list, tokenizer: Any, cfg: DataConfig, template: str) -> dict[str, list]:
+    out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": []}
+    for messages in conversations:
+        enc = chat.encode_conversation(tokenizer, messages, template)
+        long = len(enc.input_ids) > cfg.block_size
+        if long:
+            if cfg.truncation == "drop" or (enc := chat.truncate(enc, cfg.block_size)) is None:
+                continue
+        out["input_ids"].append(enc.input_ids)
+        out["labels"].append(chat.labels_for(enc, cfg.train_on_prompt))
+        out["truncated"].append(long)
+    return out
 
 
 def pack_blocks(batch: dict[str, list], block_size: int, pad_id: int) -> dict[str, list]:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hftk import __version__
+from hftk.data import describe as describe_datasets
 from hftk.errors import HftkError
 
 RUN_FILE = "hftk_run.json"  # config, world size, step and final metrics: the model card's source
@@ -88,7 +89,8 @@ def run_record(cfg: Any, args: Any, world_size: int, data_format: str, step: int
     if cfg.model.lora_r:
         hyper.update(lora_r=cfg.model.lora_r, lora_alpha=cfg.model.lora_alpha, lora_dropout=cfg.model.lora_dropout)
     return {"hftk_version": __version__, "config": cfg.to_dict(), "world_size": world_size, "data_format": data_format,
-            "hyperparameters": hyper, "global_step": step, "metrics": dict(metrics or {})}
+            "datasets": describe_datasets(cfg.data), "hyperparameters": hyper, "global_step": step,
+            "metrics": dict(metrics or {})}
 
 
 def _write_new(path: Path, text: str) -> None:
@@ -134,8 +136,9 @@ def model_card(record: dict[str, Any], repo_id: str | None) -> str:
                             "tags": ["hftk", "fine-tuned", strategy["strategy"]], "pipeline_tag": "text-generation"}
     if is_hub_id(base):
         meta["base_model"] = base
-    if is_hub_id(dataset):
-        meta["datasets"] = [dataset]
+    sources = record.get("datasets") or [{"path": dataset, "split": data["train_split"], "format": data["data_format"]}]
+    if any(is_hub_id(d["path"]) for d in sources):
+        meta["datasets"] = [d["path"] for d in sources if is_hub_id(d["path"])]
     world, hyper = record["world_size"], record["hyperparameters"]
     name = repo_id.split("/")[-1] if repo_id else "fine-tuned model"
     lines = [
@@ -146,8 +149,11 @@ def model_card(record: dict[str, Any], repo_id: str | None) -> str:
            if model.get("lora_r") else "."), "",
         "## Base model", "", f"- `{base}` (revision `{model['model_revision']}`, dtype {model['model_dtype']})", "",
         "## Training data", "",
-        f"- dataset: `{dataset}`" + (f" (config `{data['dataset_config_name']}`)" if data.get("dataset_config_name") else ""),
-        f"- split: `{data['train_split']}`, format: {record['data_format']}, packing: {data['packing']}, "
+        *[f"- dataset: `{d['path']}`" + (f" (config `{data['dataset_config_name']}`)" if data.get("dataset_config_name")
+                                            and len(sources) == 1 else "")
+          + f", split `{d['split']}`, format {d['format']}" + (f", weight {d['weight']}" if d.get("weight") else "")
+          for d in sources],
+        f"- format: {record['data_format']}, packing: {data['packing']}, "
         f"block size: {data['block_size']} tokens"
         + (f", first {data['max_train_samples']} rows" if data.get("max_train_samples") else ""), "",
         "## Training procedure", "",

@@ -66,9 +66,12 @@ def _apply_dropout(config: Any, dropout: float | None) -> None:
             setattr(config, key, dropout)
 
 
-def load_tokenizer(cfg: ModelConfig) -> Any:
-    """Tokenizer with a pad token (GPT-style models ship without one; eos serves)."""
+def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None) -> Any:
+    """Tokenizer with a pad token (GPT-style models ship without one; eos serves) and the chat template
+    ``data.chat_template`` chose (it then travels with every ``save_pretrained`` of the tokenizer)."""
     from transformers import AutoTokenizer
+
+    from hftk.chat import apply_template_choice
 
     source = cfg.tokenizer_name_or_path or resolve_model_path(cfg)
     tokenizer = AutoTokenizer.from_pretrained(
@@ -76,7 +79,7 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return apply_template_choice(tokenizer, chat_template)
 
 
 def load_model(cfg: ModelConfig) -> Any:

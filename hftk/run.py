@@ -10,17 +10,18 @@ import sys
 
 from hftk import allocator, launch, plan, strategies, validate
 from hftk.config import RunConfig, load_config
-from hftk.data import check_raw, load_raw
+from hftk.data import combined_format, load_sources
 from hftk.errors import HftkError
-from hftk.modeling import load_model_config, resolve_model_path
+from hftk.modeling import load_model_config, load_tokenizer, resolve_model_path
 from hftk.run_types import PreparedRun
 
 EXIT_USAGE = 2
 
 
-def prepare(argv: list[str] | None = None) -> PreparedRun:
-    """Parse, validate and read what validation needs: config, model config, raw data; then write a
-    built-in model into its cache (before any process group: see ``builtin.materialize_model``).
+def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> PreparedRun:
+    """Parse, validate and read what validation needs: config, model config, raw data (or the blocks of
+    ``data.tokenized_path``, checked against this config); then write a built-in model into its cache
+    (before any process group: see ``builtin.materialize_model``).
 
     A run that trains on CPU first tells glibc to give freed memory back (``allocator``): every
     engine, bench and test worker starts here, before any model exists. GPU runs keep glibc's
@@ -36,10 +37,18 @@ def prepare(argv: list[str] | None = None) -> PreparedRun:
     if cfg.strategy.strategy == "auto":
         cfg.strategy.strategy = plan.resolve_auto(cfg, model_config, world_size)
     strategies.get(cfg.strategy.strategy).validate(cfg, world_size)
-    raw = load_raw(cfg.data)
-    data_format = check_raw(cfg.data, raw)
+    if read_tokenized and cfg.data.tokenized_path:
+        from hftk import preprocess
+
+        tokenized = preprocess.load(cfg, load_tokenizer(cfg.model, cfg.data.chat_template))
+        return PreparedRun(cfg=cfg, model_config=model_config, raw=None, data_format=tokenized.data_format,
+                           world_size=world_size, tokenized=tokenized)
+    # Conversations need the tokenizer's chat template now (a built-in model is then written early).
+    sources = load_sources(cfg.data, lambda: load_tokenizer(cfg.model, cfg.data.chat_template))
+    validate.check_data(cfg, combined_format(sources))
     resolve_model_path(cfg.model)  # valid input: a built-in is written now, before any process group
-    return PreparedRun(cfg=cfg, model_config=model_config, raw=raw, data_format=data_format, world_size=world_size)
+    return PreparedRun(cfg=cfg, model_config=model_config, raw=sources[0].raw, data_format=combined_format(sources),
+                       world_size=world_size, sources=sources)
 
 
 def trains_on_cpu(cfg: RunConfig) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hftk.config import RunConfig
@@ -12,10 +12,15 @@ from hftk.config import RunConfig
 class PreparedRun:
     cfg: RunConfig
     model_config: Any  # transformers PretrainedConfig, read without weights
-    raw: Any  # datasets.DatasetDict, not yet tokenised
-    data_format: str  # "text" or "prompt_completion"
+    raw: Any  # datasets.DatasetDict of the first dataset, normalised, not yet tokenised
+    data_format: str  # "text", "prompt_completion", "messages", or several joined by "+"
     world_size: int  # what the launcher asked for
+    sources: list[Any] = field(default_factory=list)  # hftk.data.Source: every dataset of the run
+    tokenized: Any = None  # hftk.data.TokenizedData read from data.tokenized_path (then no sources)
 
     @property
     def has_eval(self) -> bool:
-        return bool(self.cfg.data.eval_split) or self.cfg.data.eval_fraction > 0
+        if self.tokenized is not None:
+            return self.tokenized.eval is not None
+        splits = [s.cfg.eval_split for s in self.sources] or [self.cfg.data.eval_split]
+        return any(splits) or self.cfg.data.eval_fraction > 0

@@ -119,3 +119,11 @@ def check_model(cfg: RunConfig, model_config: Any) -> None:
         raise HftkError("data.block_size", f"{cfg.data.block_size} exceeds the model's context length {limit}.",
                         f"set data.block_size to {limit} or less.")
     check_lora(cfg, model_config)
+
+
+def check_data(cfg: RunConfig, data_format: str) -> None:
+    """Checks that need the datasets' formats (known once they are read)."""
+    if cfg.strategy.strategy == "cp" and "messages" in data_format.split("+"):
+        raise HftkError("data.data_format", "context parallel needs full blocks (ring attention takes no padding "
+                        "mask) and conversations are padded, one per block.",
+                        "train conversations with ddp, fsdp, zero1-3, pipeline or tp.")

@@ -17,7 +17,7 @@ from hftk import lora, strategies
 from hftk.checkpoint import announce_resume, install_atomic_checkpoints, resolve_resume, staged_folder
 from hftk.comm.callback import CompressionCallback
 from hftk.comm.register import is_active as comm_active
-from hftk.data import announce_eval, tokenize_and_pack
+from hftk.data import announce_eval, tokenize_sources
 from hftk.engine.guard import WorldGuard, check_world
 from hftk.errors import HftkError
 from hftk.memory import ModelStateCallback
@@ -107,9 +107,11 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
 def load_data(prepared: PreparedRun, args: Any) -> tuple[Any, Any]:
     """Tokenizer and tokenised blocks (rank 0 first, the others read its cache); shared with hftk.engine.loop."""
     cfg = prepared.cfg
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)  # saved with it: checkpoints and final/
+    if prepared.tokenized is not None:  # hftk preprocess made the blocks; every rank read them in prepare
+        return tokenizer, prepared.tokenized
     with args.main_process_first(desc="tokenize"):
-        data = tokenize_and_pack(cfg.data, prepared.raw, tokenizer, prepared.data_format, args.seed)
+        data = tokenize_sources(prepared.sources, tokenizer, args.seed)
     if prepared.has_eval and data.eval is None:
         raise HftkError("data.eval_fraction", f"the held-out text is shorter than one block of {cfg.data.block_size}.",
                         "raise data.eval_fraction, lower data.block_size, or set data.eval_fraction to 0.")

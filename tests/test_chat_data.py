@@ -1,0 +1,254 @@
+"""Conversational and instruction formats through ``hftk.run.prepare``: detection, conversion, bad rows,
+long conversations, several datasets, and bad input (one line naming the field and the fix, exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hftk.chat import IGNORE_INDEX
+from hftk.data import tokenize_sources
+from hftk.modeling import load_tokenizer
+from hftk.run import prepare
+
+TINY = ["--model_name_or_path", "builtin:gpt2-tiny", "--block_size", "256", "--eval_fraction", "0"]
+CHAT = [*TINY, "--chat_template", "chatml"]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return str(path)
+
+
+def chat_row(user="Wer schuf den Himmel?", answer="Gott schuf ihn, sagt die Schrift.", system=None, turns=1):
+    messages = [{"role": "system", "content": system}] if system else []
+    for i in range(turns):
+        messages += [{"role": "user", "content": f"{user} ({i})"}, {"role": "assistant", "content": f"{answer} {i}"}]
+    return {"messages": messages}
+
+
+def blocks(args, tmp_path):
+    p = prepare([*args, "--output_dir", str(tmp_path / "out")])
+    tokenizer = load_tokenizer(p.cfg.model, p.cfg.data.chat_template)
+    return p, tokenizer, tokenize_sources(p.sources, tokenizer, 0).train
+
+
+def labelled_text(tokenizer, row) -> str:
+    ids = [t for t, lab in zip(row["input_ids"].tolist(), row["labels"].tolist()) if lab != IGNORE_INDEX]
+    return tokenizer.decode(ids)
+
+
+def test_messages_are_detected_padded_one_per_block_and_labelled_on_assistant_turns(tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", [chat_row(system="Sei kurz.", turns=2), chat_row(answer="Ja — 是的.")])
+    p, tokenizer, train = blocks([*CHAT, "--dataset", data], tmp_path)
+    assert p.data_format == "messages" and len(train) == 2  # never packed across conversations
+    assert labelled_text(tokenizer, train[0]) == "Gott schuf ihn, sagt die Schrift. 0<|im_end|>Gott schuf ihn, sagt die Schrift. 1<|im_end|>"
+    assert labelled_text(tokenizer, train[1]) == "Ja — 是的. 0<|im_end|>"
+    assert train[1]["attention_mask"].sum() < 256  # padded, padding unlabelled
+    assert (train[1]["labels"][train[1]["attention_mask"] == 0] == IGNORE_INDEX).all()
+
+
+def test_train_on_prompt_labels_the_prompt_turns(tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", [chat_row(system="Sei kurz.")])
+    _, tokenizer, train = blocks([*CHAT, "--dataset", data, "--train_on_prompt"], tmp_path)
+    assert labelled_text(tokenizer, train[0]).startswith("<|im_start|>system\nSei kurz.")
+
+
+def test_sharegpt_is_converted_to_messages(tmp_path):
+    rows = [{"conversations": [{"from": "system", "value": "Sei kurz."}, {"from": "human", "value": "Hallo?"},
+                               {"from": "gpt", "value": "Grüß Gott."}]}]
+    p, tokenizer, train = blocks([*CHAT, "--dataset", write_jsonl(tmp_path / "sg.jsonl", rows)], tmp_path)
+    assert p.data_format == "messages"
+    assert p.raw["train"][0]["messages"][1] == {"role": "user", "content": "Hallo?"}
+    assert labelled_text(tokenizer, train[0]) == "Grüß Gott.<|im_end|>"
+
+
+def test_alpaca_becomes_prompt_completion_without_a_template_and_messages_with_one(tmp_path):
+    rows = [{"instruction": "Translate.", "input": "Himmel", "output": "heaven"}, {"instruction": "Say hi.", "output": "hi"}]
+    data = write_jsonl(tmp_path / "alpaca.jsonl", rows)
+    p, tokenizer, train = blocks([*TINY, "--dataset", data, "--packing", "false"], tmp_path)
+    assert p.data_format == "prompt_completion"
+    assert "### Input:\nHimmel" in p.raw["train"][0]["prompt"] and "### Input" not in p.raw["train"][1]["prompt"]
+    assert labelled_text(tokenizer, train[0]) == "heaven" + tokenizer.eos_token
+    p, tokenizer, train = blocks([*CHAT, "--dataset", data], tmp_path)
+    assert p.data_format == "messages" and p.raw["train"][0]["messages"][0]["content"] == "Translate.\n\nHimmel"
+    assert labelled_text(tokenizer, train[1]) == "hi<|im_end|>"
+
+
+def test_bad_rows_are_dropped_with_one_summary_line(tmp_path, capsys):
+    rows = [chat_row(), {"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]},
+            {"messages": [{"role": "user", "content": "x"}]}, chat_row(answer="Amen.")]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    p = prepare([*CHAT, "--dataset", data, "--on_bad_row", "drop", "--output_dir", str(tmp_path / "o")])
+    assert len(p.raw["train"]) == 2
+    out = [line for line in capsys.readouterr().out.splitlines() if "dropped" in line]
+    assert len(out) == 1 and "dropped 2 of 4 rows" in out[0] and "unknown role" in out[0]
+
+
+@pytest.mark.parametrize("mode,kept", [("drop", 1), ("truncate", 2)])
+def test_long_conversations_dropped_or_truncated_to_whole_turns(tmp_path, capsys, mode, kept):
+    long = chat_row()  # a first exchange that fits, then three that do not
+    long["messages"] += chat_row(user="Tell it long " * 20, answer="So be it " * 10, turns=3)["messages"]
+    data = write_jsonl(tmp_path / "chat.jsonl", [chat_row(), long])
+    _, tokenizer, train = blocks([*CHAT, "--dataset", data, "--truncation", mode, "--block_size", "160"], tmp_path)
+    assert len(train) == kept
+    summary = [line for line in capsys.readouterr().out.splitlines() if "longer than block_size" in line]
+    assert len(summary) == 1 and ("dropped 1 of 2" if mode == "drop" else "truncated 1, dropped 0 of 2") in summary[0]
+    if mode == "truncate":
+        text = labelled_text(tokenizer, train[1])
+        assert text and text.endswith("<|im_end|>")  # every labelled turn keeps its end token
+        assert text.count("<|im_end|>") < 4
+
+
+def test_several_datasets_concatenated_or_interleaved_and_recorded(tmp_path):
+    from hftk.hub import model_card, run_record
+
+    a = write_jsonl(tmp_path / "a.jsonl", [chat_row(answer=f"A{i}.") for i in range(6)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"In the beginning {i} was the word."} for i in range(6)])
+    p, _, train = blocks([*CHAT, "--dataset", f"{a},{b}", "--packing", "false"], tmp_path)
+    assert p.data_format == "messages+text" and len(train) == 12
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text(f"data:\n  datasets:\n    - {{path: {a}, weight: 3}}\n    - {{path: {b}, format: text, weight: 1}}\n")
+    p, _, train = blocks([*CHAT, "--config", str(yaml_path), "--packing", "false"], tmp_path)
+    p2, _, train2 = blocks([*CHAT, "--config", str(yaml_path), "--packing", "false"], tmp_path)
+    assert [s.weight for s in p.sources] == [3.0, 1.0]
+    rows = [r["input_ids"].tolist() for r in train]
+    assert rows == [r["input_ids"].tolist() for r in train2]  # seeded
+    from_a = sum(r["labels"][0].item() == IGNORE_INDEX for r in train)  # text rows are labelled from token 0
+    assert 0 < len(rows) - from_a < from_a  # both mixed, the heavier one more often
+    args = type("A", (), {k: 1 for k in ("per_device_train_batch_size", "gradient_accumulation_steps")})()
+    from hftk.hub import HYPERPARAMETERS
+    for k in HYPERPARAMETERS:
+        setattr(args, k, 1)
+    record = run_record(p.cfg, args, 1, p.data_format, 0)
+    assert [d["path"] for d in record["datasets"]] == [a, b] and record["datasets"][0]["weight"] == 3
+    card = model_card(record, None)
+    assert f"`{a}`" in card and f"`{b}`" in card and "weight 3" in card
+
+
+@pytest.fixture()
+def files(tmp_path):
+    ok = chat_row()
+    write_jsonl(tmp_path / "chat.jsonl", [ok])
+    write_jsonl(tmp_path / "role.jsonl", [ok, {"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]}])
+    write_jsonl(tmp_path / "empty_answer.jsonl", [{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": " "}]}])
+    write_jsonl(tmp_path / "no_answer.jsonl", [ok, ok, {"messages": [{"role": "user", "content": "x"}]}])
+    write_jsonl(tmp_path / "tool.jsonl", [{"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"},
+                                                        {"role": "assistant", "content": "y"}]}])
+    write_jsonl(tmp_path / "starts.jsonl", [{"messages": [{"role": "assistant", "content": "y"}]}])
+    write_jsonl(tmp_path / "sharegpt.jsonl", [{"conversations": [{"from": "human", "value": "x"}, {"from": "bot", "value": "y"}]}])
+    write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "x", "output": ""}])
+    write_jsonl(tmp_path / "text.jsonl", [{"text": "some text"}])
+    write_jsonl(tmp_path / "all_bad.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
+    (tmp_path / "key.yaml").write_text(f"data:\n  datasets:\n    - {{path: {tmp_path}/chat.jsonl, colour: red}}\n")
+    (tmp_path / "weight.yaml").write_text(f"data:\n  datasets:\n    - {tmp_path}/chat.jsonl\n    - {{path: {tmp_path}/chat.jsonl, weight: -1}}\n")
+    (tmp_path / "nopath.yaml").write_text("data:\n  datasets:\n    - {split: train}\n")
+    (tmp_path / "both.yaml").write_text(f"data:\n  dataset: {tmp_path}/text.jsonl\n  datasets: [{tmp_path}/chat.jsonl]\n")
+    (tmp_path / "fmt.yaml").write_text(f"data:\n  datasets:\n    - {{path: {tmp_path}/chat.jsonl, format: chat}}\n")
+    return tmp_path
+
+
+BAD = [
+    # (id, args, text the one line must contain)
+    ("unknown_role", ["--dataset", "{tmp}/role.jsonl", "--chat_template", "chatml"], "data.dataset: row 1 "),
+    ("empty_assistant", ["--dataset", "{tmp}/empty_answer.jsonl", "--chat_template", "chatml"], "empty assistant turn"),
+    ("no_final_answer", ["--dataset", "{tmp}/no_answer.jsonl", "--chat_template", "chatml"], "row 2 "),
+    ("tool_turn", ["--dataset", "{tmp}/tool.jsonl", "--chat_template", "chatml"], "tool turn"),
+    ("starts_with_assistant", ["--dataset", "{tmp}/starts.jsonl", "--chat_template", "chatml"], "starts with an assistant"),
+    ("no_template", ["--dataset", "{tmp}/chat.jsonl"], "data.chat_template: the tokenizer has no chat template"),
+    ("unknown_template", ["--dataset", "{tmp}/chat.jsonl", "--chat_template", "vicuna"], "data.chat_template"),
+    ("messages_on_text", ["--dataset", "{tmp}/text.jsonl", "--data_format", "messages"], "data.messages_field"),
+    ("sharegpt_missing", ["--dataset", "{tmp}/chat.jsonl", "--data_format", "sharegpt"], "data.conversations_field"),
+    ("messages_field_missing", ["--dataset", "{tmp}/chat.jsonl", "--data_format", "messages", "--messages_field", "chat"],
+     "data.messages_field"),
+    ("sharegpt_bad_role", ["--dataset", "{tmp}/sharegpt.jsonl", "--chat_template", "chatml"], "unknown role 'bot'"),
+    ("alpaca_empty_output", ["--dataset", "{tmp}/alpaca.jsonl"], "the output is empty"),
+    ("all_dropped", ["--dataset", "{tmp}/all_bad.jsonl", "--chat_template", "chatml", "--on_bad_row", "drop"],
+     "every row"),
+    ("unknown_entry_key", ["--config", "{tmp}/key.yaml"], "data.datasets[0].colour"),
+    ("bad_weight", ["--config", "{tmp}/weight.yaml"], "data.datasets[1].weight"),
+    ("entry_without_path", ["--config", "{tmp}/nopath.yaml"], "data.datasets[0]: needs a path"),
+    ("dataset_and_datasets", ["--config", "{tmp}/both.yaml"], "data.datasets"),
+    ("entry_bad_format", ["--config", "{tmp}/fmt.yaml"], "data.datasets[0].format"),
+    ("bad_on_bad_row", ["--on_bad_row", "skip"], "--on_bad_row"),
+    ("bad_truncation", ["--truncation", "cut"], "--truncation"),
+]
+
+
+@pytest.mark.parametrize("case_id,args,text", BAD, ids=[c[0] for c in BAD])
+def test_bad_chat_input_is_one_clear_line(case_id, args, text, files, capsys):
+    import torch.distributed as dist
+
+    from hftk.run import main
+
+    out = files / "out"
+    args = [a.replace("{tmp}", str(files)) for a in args]
+    assert main([*TINY, "--output_dir", str(out), *args]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Setting accelerator" not in line]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("hftk: error: ") and text in lines[0] and "Fix:" in lines[0], lines[0]
+    assert not dist.is_initialized() and not out.exists()
+
+
+def test_help_documents_every_new_option():
+    from hftk.config import build_parser
+
+    text = build_parser().format_help()
+    for option in ("--data_format", "--datasets", "--messages_field", "--conversations_field", "--instruction_field",
+                   "--input_field", "--output_field", "--chat_template", "--train_on_prompt", "--on_bad_row",
+                   "--truncation"):
+        assert option in text, option
+    assert "sharegpt" in text and "interleave_datasets" in text
+
+
+def test_preprocess_once_then_read_on_every_rank_or_refused_by_name(tmp_path, capsys):
+    from hftk.cli import main as hftk
+
+    data = write_jsonl(tmp_path / "chat.jsonl", [chat_row(turns=1 + i % 3) for i in range(6)])
+    args = [*CHAT, "--dataset", data, "--output_dir", str(tmp_path / "out")]
+    folder = tmp_path / "tok"
+    assert hftk(["preprocess", *args, "--tokenized_path", str(folder)]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("hftk: preprocess:")]
+    assert len(line) == 1 and "train: 6 blocks" in line[0]
+    p = prepare([*args, "--tokenized_path", str(folder)])
+    assert p.sources == [] and p.raw is None and p.data_format == "messages"
+    _, _, fresh = blocks([*args], tmp_path)
+    assert [r.tolist() for r in p.tokenized.train["labels"]] == [r.tolist() for r in fresh["labels"]]
+    capsys.readouterr()
+    # refused: the folder exists, another block size / template, not a tokenized folder
+    for extra, text in [(["preprocess", *args, "--tokenized_path", str(folder)], "already exists"),
+                        (["train", *args, "--tokenized_path", str(folder), "--block_size", "128"], "block_size"),
+                        (["train", *args, "--tokenized_path", str(folder), "--chat_template",
+                          str(tmp_path / "t.jinja")], "chat_template"),
+                        (["train", *args, "--tokenized_path", str(tmp_path)], "not a folder written by hftk preprocess")]:
+        (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+        assert hftk(extra) == 2
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(err) == 1 and "data.tokenized_path" in err[0] and text in err[0], err
+
+
+def test_context_parallel_refuses_conversations(files, monkeypatch, capsys):
+    """cp needs full blocks; conversations are padded one per block: refused before any process group."""
+    from hftk.run import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = files / "out"
+    assert main(["--model_name_or_path", "builtin:llama-tiny", "--strategy", "cp", "--cp_size", "2", "--output_dir",
+                 str(out), "--dataset", str(files / "chat.jsonl"), "--chat_template", "chatml"]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and "Setting accelerator" not in x]
+    assert len(err) == 1 and err[0].startswith("hftk: error: data.data_format: context parallel") and "Fix:" in err[0]
+    assert not out.exists()
+
+
+def test_only_the_splits_the_run_reads_are_checked(tmp_path):
+    import datasets
+
+    folder = tmp_path / "hubish"
+    bad = {"messages": [[{"role": "user", "content": "x"}]]}  # no assistant turn: bad, but in an unused split
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([chat_row()]),
+                          "test": datasets.Dataset.from_dict(bad)}).save_to_disk(str(folder))
+    for split in ("train", "test"):
+        datasets.load_from_disk(str(folder))[split].to_json(str(tmp_path / "hub" / f"{split}.jsonl"))
+    p = prepare([*CHAT, "--dataset", str(tmp_path / "hub"), "--output_dir", str(tmp_path / "o")])
+    assert list(p.raw) == ["train"] and len(p.raw["train"]) == 1
