@@ -46,10 +46,16 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 
 
 def compute_dtype(bf16: bool, fp16: bool) -> str:
-    """Which peak column applies: half precision, TF32 matmuls, or plain fp32."""
+    """Which peak column applies: half precision, TF32 matmuls, or plain fp32.
+
+    Reads torch's new ``fp32_precision`` API, never the legacy ``allow_tf32`` flag: transformers
+    (``--tf32``, ``--torch_compile`` in fp32) sets the new one, after which torch 2.13 raises on a
+    legacy read ("mix of the legacy and new APIs"). The cuBLAS leaf resolves its parents
+    (``torch.backends.fp32_precision``) and legacy writes alike.
+    """
     if bf16 or fp16:
         return "bf16"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
 
 
 def device_peak_flops(device: torch.device, dtype: str) -> float | None:
@@ -75,8 +81,9 @@ def matmul_params(model: torch.nn.Module) -> tuple[int, int]:
         if id(p) in lookups or id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
+        size = getattr(p, "ds_numel", None) or p.numel()  # ZeRO-3 leaves 0 elements locally; ds_numel is the full size
+        total += size
+        trainable += size if p.requires_grad else 0
     return total, trainable
 
 

@@ -4,13 +4,15 @@ peak memory windows, the monitor's own numbers, and its option checks."""
 from __future__ import annotations
 
 import math
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from hftk.telemetry import (FIELDS, RankMonitor, comm_intervals, device_peak_flops, flops_per_token, matmul_params,
-                            peak_memory_bytes, reset_peak_memory, summarize, union_seconds)
+from hftk.telemetry import (FIELDS, RankMonitor, comm_intervals, compute_dtype, device_peak_flops, flops_per_token,
+                            matmul_params, peak_memory_bytes, reset_peak_memory, summarize, union_seconds)
+from tests.helpers import ROOT, free_port, run
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,36 @@ def test_flops_per_token_counts_matmul_weights_and_attention(tiny_model):
     finally:
         for p in tiny_model.parameters():
             p.requires_grad_(True)
+
+
+def test_compute_dtype_reads_tf32_as_transformers_sets_it():
+    """transformers' ``--tf32`` / ``--torch_compile`` set torch's new fp32_precision API; a legacy
+    ``allow_tf32`` read after that raises in torch 2.13 ("mix of the legacy and new APIs")."""
+    from transformers.utils.import_utils import enable_tf32
+
+    before = torch.backends.fp32_precision
+    try:
+        enable_tf32(True)
+        assert compute_dtype(bf16=False, fp16=False) == "tf32"
+        assert compute_dtype(bf16=True, fp16=False) == "bf16"
+        enable_tf32(False)
+        assert compute_dtype(bf16=False, fp16=False) == "fp32"
+    finally:
+        torch.backends.fp32_precision = before
+
+
+@pytest.mark.slow
+def test_flops_per_token_counts_zero3_partitioned_parameters_whole():
+    """Under ZeRO-3 every rank holds 0 elements of each parameter; MFU must still count the full model."""
+    import json
+
+    result = run([sys.executable, str(ROOT / "tests" / "workers" / "zero3_flops.py")], timeout=600,
+                 env={"MASTER_PORT": str(free_port())})
+    line = next((ln for ln in result.stdout.splitlines() if ln.startswith("FLOPS ")), None)
+    assert result.returncode == 0 and line, result.output[-4000:]
+    counts = json.loads(line[len("FLOPS "):])
+    assert counts["local_elements"] == 0, counts  # really partitioned
+    assert counts["partitioned"] == counts["whole"], counts
 
 
 def test_no_mfu_peak_on_cpu():
