@@ -285,3 +285,23 @@ def test_bad_combinations_are_one_line_errors(case_id, args, field, tmp_path, ca
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"hftk: error: {field}: ") and "Fix:" in err[0], err[0]
     assert not out.exists()
+
+
+def test_offload_without_a_toolchain_is_one_line_before_launch(tmp_path, monkeypatch):
+    """DeepSpeed JIT-builds CPU Adam at the first step of zero3_offload: a machine without the
+    tools hears what to install before any rank starts, not minutes later in a compiler log."""
+    from hftk.config import load_config
+    from hftk.strategies import deepspeed as ds
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built yet
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    cfg = load_config(["--strategy", "zero3_offload"])
+    with pytest.raises(HftkError) as refused:
+        ds.validate(cfg, 1)
+    line = refused.value.one_line()
+    assert refused.value.field == "strategy.strategy" and "C++ compiler" in line and "ninja" in line, line
+    ds.validate(load_config(["--strategy", "zero3"]), 1)  # no offload: nothing to build
+    (tmp_path / "cpu_adam").mkdir(exist_ok=True)
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")  # built once: no tools needed any more
+    ds.validate(cfg, 1)
