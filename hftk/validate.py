@@ -65,6 +65,12 @@ def check_config(cfg: RunConfig) -> None:
     if t.get("fp16") and not torch.cuda.is_available():
         raise HftkError("training.fp16", "fp16 needs a CUDA GPU (this machine has none).",
                         "use training.bf16 on CPU, or no mixed precision.")
+    if t.get("tf32"):
+        from transformers.utils import is_torch_tf32_available
+
+        if not is_torch_tf32_available():  # TrainingArguments would raise a ValueError after launch
+            raise HftkError("training.tf32", "TF32 needs an NVIDIA Ampere or newer GPU (none here).",
+                            "drop --tf32 (bf16 is the fast mode on CPU).")
     if t.get("hub_token"):
         raise HftkError("training.hub_token", "tokens are never taken as options (they would be saved with the run).",
                         "export HF_TOKEN or run `hf auth login`.")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hftk.errors import HftkError
-from tests.helpers import TINY_ARGS, finetune, load_weights, losses, max_weight_diff, metrics, run
+from tests.helpers import TINY_ARGS, cpu_only_cases, finetune, load_weights, losses, max_weight_diff, metrics, run
 
 STEPS = 10
 CLIP = ["--max_grad_norm", "0.5"]
@@ -242,6 +242,7 @@ def test_use_cpu_is_refused_only_where_it_would_drop_deepspeed(monkeypatch):
 
     monkeypatch.setenv("LOCAL_RANK", "0")
     cfg = load_config(["--strategy", "zero3", "--use_cpu", "true"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     deepspeed.validate(cfg, 2)  # no GPU: hftk runs DeepSpeed on the CPU with use_cpu anyway
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(HftkError, match="training.use_cpu"):
@@ -264,7 +265,7 @@ BAD = [
     # (id, extra args, field named in the one-line error)
     ("fsdp_offload_with_zero", ["--strategy", "zero2", "--fsdp_cpu_offload"], "strategy.fsdp_cpu_offload"),
     ("hybrid_with_zero", ["--strategy", "zero3", "--fsdp_hybrid"], "strategy.fsdp_hybrid"),
-    ("fp16_on_cpu", ["--strategy", "zero3", "--fp16"], "training.fp16"),
+    *cpu_only_cases(("fp16_on_cpu", ["--strategy", "zero3", "--fp16"], "training.fp16")),
     ("ddp_hook_with_zero", ["--strategy", "zero1", "--grad_compression", "fp16"], "strategy.grad_compression"),
     ("own_deepspeed_json", ["--strategy", "zero2", "--deepspeed", "ds.json"], "training.deepspeed"),
     ("sgd_with_offload", ["--strategy", "zero3_offload", "--optim", "sgd"], "training.optim"),

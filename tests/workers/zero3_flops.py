@@ -6,7 +6,7 @@ import os
 
 import torch.distributed as dist
 
-os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 dist.init_process_group("gloo")
 
 import deepspeed  # noqa: E402  (after the group: zero.Init partitions over it)
