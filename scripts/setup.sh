@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-pip_install() { .venv/bin/pip install --quiet --disable-pip-version-check "$@"; }
+# pip's own exit status decides; only its "Location ... is ignored" notes about absent extra indexes are dropped.
+pip_install() { .venv/bin/pip install --quiet --disable-pip-version-check "$@" 2> >(grep -v "is ignored" >&2); }
 
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then
