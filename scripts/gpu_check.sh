@@ -2,7 +2,8 @@
 # GPU check of hftk's CUDA-only paths, for the next session lent an NVIDIA GPU (one is enough;
 # under 8 minutes on one H200). It runs the suite's GPU-relevant in-process tests, then short real
 # runs at world size 1 under torchrun (NCCL): ddp fp32 / bf16 / tf32 / fp16 (an overflow the loss
-# scaler skips must not stop the run), fsdp bf16, zero3 bf16, zero3_offload bf16, and writes
+# scaler skips must not stop the run), fsdp bf16, zero3 bf16, zero3_offload bf16, a resume with
+# dropout on (losses after the resume equal the uninterrupted run's), and writes
 # summary.md (tokens/s, MFU, peak memory per run, from each run's metrics.jsonl) plus the logs to
 # the folder given as $1 (default: $OUT when set, else gpu_check_out). Layouts that need 2 GPUs
 # (pipeline, tp, cp, sp) are listed as skipped. On a machine without a GPU it says so and exits 1.
@@ -77,8 +78,17 @@ train fsdp_bf16 --strategy fsdp --bf16
 train zero3_bf16 --strategy zero3 --bf16
 train zero3_offload_bf16 --strategy zero3_offload --bf16
 
+# Resume with dropout on: 20 steps saving at 10, then a new folder holding only checkpoint-10 resumed.
+train resume_full --strategy ddp --bf16 --model_dropout 0.1 --max_steps 20 --logging_steps 1 \
+  --save_strategy steps --save_steps 10
+mkdir -p "$WORK/resume_resumed" && cp -r "$WORK/resume_full/checkpoint-10" "$WORK/resume_resumed/"
+train resume_resumed --strategy ddp --bf16 --model_dropout 0.1 --max_steps 20 --logging_steps 1 \
+  --save_strategy steps --save_steps 10 --resume_from_checkpoint latest
+step resume_check "$PY" scripts/gpu_check_summary.py --resume "$WORK/resume_full" "$WORK/resume_resumed"
+
 RUNS=(ddp_fp32 ddp_tf32 ddp_bf16 ddp_fp16 fsdp_bf16 zero3_bf16 zero3_offload_bf16)
 { "$PY" scripts/gpu_check_summary.py "$WORK" "${RUNS[@]}"
+  echo; cat "$OUT_DIR/resume_check.log"
   echo; echo "skipped: pipeline, tp, cp, sp (each needs 2 GPUs: one rank per GPU under NCCL)"; } | tee "$OUT_DIR/summary.md"
 rm -rf "$WORK"
 failed=0

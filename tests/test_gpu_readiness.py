@@ -51,14 +51,36 @@ def test_gpu_check_fails_in_one_line_without_a_gpu_torch_can_use(tmp_path):
     assert not (tmp_path / "summary.md").exists()  # no run started
 
 
+def _summary(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check_summary.py"), *map(str, args)],
+                          capture_output=True, text=True)
+
+
 @pytest.mark.slow
-def test_gpu_check_summary_reads_a_real_runs_metrics(tmp_path):
-    out = tmp_path / "run"
-    finetune(1, ["--max_train_samples", "300", "--max_steps", "4", "--logging_steps", "2", "--output_dir", str(out)])
-    table = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check_summary.py"), str(tmp_path), "run",
-                            "absent"], capture_output=True, text=True, check=True).stdout.splitlines()
+def test_gpu_check_summary_and_resume_verdict_on_real_runs(tmp_path):
+    """gpu_check's two readings on the same flow it runs (here on this host's device): the table
+    from metrics.jsonl, and the resume-with-dropout verdict (which must also catch a difference)."""
+    import json
+    import shutil
+
+    run_args = ["--model_dropout", "0.1", "--max_train_samples", "300", "--max_steps", "4", "--save_strategy", "steps",
+                "--save_steps", "2"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    finetune(1, [*run_args, "--output_dir", str(full)])
+    resumed.mkdir()
+    shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
+    finetune(1, [*run_args, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"])
+
+    table = _summary(tmp_path, "full", "absent").stdout.splitlines()
     cells = [c.strip() for c in table[2].strip("|").split("|")]
-    assert cells[0] == "run" and all(c != "-" for c in (cells[1], cells[3], cells[4])), table
-    assert float(cells[1].replace(",", "")) > 0 and float(cells[3].replace(",", "")) > 0, table
+    assert cells[0] == "full" and float(cells[1].replace(",", "")) > 0 and float(cells[3].replace(",", "")) > 0, table
     assert (cells[2] == "-") == (not torch.cuda.is_available()), table  # MFU needs a GPU's peak
     assert table[3] == "| absent | - | - | - | - |", table
+
+    verdict = _summary("--resume", full, resumed)
+    assert verdict.returncode == 0 and "steps 3-4 match" in verdict.stdout, verdict.stdout + verdict.stderr
+    rows = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps({**r, "loss": r["loss"] + 0.01} if "loss" in r else r)
+                                                   + "\n" for r in rows))
+    verdict = _summary("--resume", full, resumed)
+    assert verdict.returncode == 1 and "DIFFER" in verdict.stdout, verdict.stdout
