@@ -36,7 +36,7 @@ MB = 2**20
 # Patterns match torch.cuda.get_device_name(), most specific first ("A10" must not catch "A100"/"A10G").
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     (r"H100.*PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2}),
-    (r"H100.*NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    (r"H[12]00.*NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),  # H100 NVL and H200 NVL share these
     (r"H100|H200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
     (r"A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
     (r"L40S", {"bf16": 362.0, "tf32": 183.0, "fp32": 91.6}),

@@ -70,6 +70,17 @@ def test_flops_per_token_counts_zero3_partitioned_parameters_whole():
     assert counts["partitioned"] == counts["whole"], counts
 
 
+@pytest.mark.parametrize("name,bf16", [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0),
+                                       ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.4), ("NVIDIA H200 NVL", 835.0),
+                                       ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A10", 125.0), ("NVIDIA L4", 121.0),
+                                       ("NVIDIA L40S", 362.0), ("NVIDIA A10G", None)])
+def test_gpu_peak_table_picks_the_variant_from_the_device_name(monkeypatch, name, bf16):
+    """SXM vs PCIe vs NVL differ by up to 25 %; "A10" must not catch "A100" or "A10G" (unknown: no MFU)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    peak = device_peak_flops(torch.device("cuda", 0), "bf16")
+    assert peak == (bf16 * 1e12 if bf16 else None)
+
+
 def test_no_mfu_peak_on_cpu():
     assert device_peak_flops(torch.device("cpu"), "bf16") is None
 
