@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import sys
@@ -26,9 +27,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
+import torch
+
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 COMPLETE_MARKER = "hftk_complete.json"  # written last, after every other file is on disk
 STAGING_DIR = ".staging"  # under the output dir: same filesystem, so the publishing rename is atomic
+RNG_FILE = "rng_state_{}.pth"  # one per rank, the Trainer's own name
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
@@ -209,6 +214,37 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def save_rng(folder: Path) -> None:
+    """This rank's four generators (python, numpy, torch CPU, every CUDA device) into ``folder``.
+
+    For loops without the Trainer (which saves the same set itself): dropout and any sampling
+    continue identically after a resume only when all of them are restored. The numpy key is kept
+    as a tensor so the file loads with ``weights_only=True``.
+    """
+    name, key, *rest = np.random.get_state()
+    state = {"python": random.getstate(), "cpu": torch.random.get_rng_state(),
+             "numpy": (name, torch.from_numpy(key.astype(np.int64)), *rest)}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state_all()
+    torch.save(state, Path(folder) / RNG_FILE.format(_rank()))
+
+
+def load_rng(folder: Path) -> bool:
+    """Restore what :func:`save_rng` wrote for this rank; False when ``folder`` has no file for it
+    (a resume on more ranks than saved: the new ranks keep their seeded generators)."""
+    file = Path(folder) / RNG_FILE.format(_rank())
+    if not file.exists():
+        return False
+    state = torch.load(file, weights_only=True)
+    random.setstate(state["python"])
+    name, key, *rest = state["numpy"]
+    np.random.set_state((name, key.numpy().astype(np.uint32), *rest))
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.random.set_rng_state_all(state["cuda"])
+    return True
 
 
 @contextmanager

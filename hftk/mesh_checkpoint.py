@@ -2,7 +2,8 @@
 
 A ``checkpoint-N`` folder holds ``dcp/`` (model and AdamW state through
 ``torch.distributed.checkpoint``: every rank writes its own shards, no rank ever holds the
-whole model), the LR scheduler, each rank's RNG state, the model config and tokenizer, and
+whole model), the LR scheduler, each rank's RNG state (python, numpy, torch CPU and CUDA:
+:func:`hftk.checkpoint.save_rng`), the model config and tokenizer, and
 ``hftk_mesh.json`` (the layout and step it was written at). It is staged and published
 atomically by :mod:`hftk.checkpoint`, so ``latest`` never picks a half-written one. DCP records
 full shapes and offsets, so a checkpoint resumes on another mesh too.
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hftk.checkpoint import atomic_save, staged_folder
+from hftk.checkpoint import atomic_save, load_rng, save_rng, staged_folder
 
 DCP_DIR = "dcp"
 LAYOUT_FILE = "hftk_mesh.json"
@@ -38,7 +39,7 @@ def save(output_dir: Path, step: int, layout: Any, optimizer: Any, scheduler: An
     def write(folder: Path) -> None:
         model_state, optim_state = get_state_dict(layout.model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / DCP_DIR))
-        torch.save(torch.get_rng_state(), folder / f"rng_state_{_rank()}.pt")
+        save_rng(folder)
         if _rank() == 0:
             torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
             layout.model.config.save_pretrained(folder)
@@ -59,9 +60,7 @@ def load(folder: Path, layout: Any, optimizer: Any, scheduler: Any) -> int:
     dcp.load(state, checkpoint_id=str(folder / DCP_DIR))
     set_state_dict(layout.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
-    rng = folder / f"rng_state_{_rank()}.pt"
-    if rng.exists():
-        torch.set_rng_state(torch.load(rng, weights_only=True))
+    load_rng(folder)
     return int(json.loads((folder / LAYOUT_FILE).read_text())["step"])
 
 

@@ -18,6 +18,8 @@ of a save the others never start.
   ``resilience.nan_policy=stop`` the run then saves that state and exits with
   :data:`EXIT_NONFINITE`. DeepSpeed skips non-finite updates itself (its overflow check);
   hftk reads ``engine.was_step_applied()`` there.
+- fp16 with torch's loss scaler (``GradScaler``): an overflow is the scaler's business, not a
+  NaN. It skips that step and halves the scale by design; see :func:`counts_as_nonfinite`.
 
 Exit codes are the process's own; torchrun lists them per rank in its failure report and
 exits 1. Under ``--max_restarts`` the agent restarts the group, which resumes from the
@@ -175,6 +177,31 @@ def _norms_finite(grads: list[torch.Tensor], order: float) -> bool:
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads, order))).all())
 
 
+# Below this loss scale an overflow is no longer fp16's range: GradScaler starts at 2**16 and halves
+# on every overflow, so a scale under 1 means 17+ net halvings, i.e. gradients that overflow even with
+# the loss scaled *down* -- a NaN/Inf loss the scaler would otherwise skip forever in silence.
+MIN_LOSS_SCALE = 1.0
+
+
+def active_scaler(accelerator: Any) -> Any:
+    """The enabled AMP ``GradScaler`` of an Accelerate run (fp16), or None."""
+    scaler = getattr(accelerator, "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def counts_as_nonfinite(grads_nonfinite: bool, scaler: Any) -> bool:
+    """Whether a non-finite gradient is a non-finite *step* for ``nan_policy``.
+
+    Without a loss scaler it always is. With one, an overflow is expected: the scaler finds it,
+    skips ``optimizer.step`` and lowers its scale, so hftk neither drops the gradients (the
+    scaler's ``step`` needs them to record its inf check) nor stops the run. Only once the scale has
+    collapsed below :data:`MIN_LOSS_SCALE` does an overflow count.
+    """
+    if scaler is None:
+        return grads_nonfinite
+    return grads_nonfinite and scaler.get_scale() < MIN_LOSS_SCALE
+
+
 class StepGuard(TrainerCallback):
     """The Trainer side: agree on the flags before each optimizer step, act at the step's end."""
 
@@ -197,11 +224,13 @@ class StepGuard(TrainerCallback):
             self.signal.uninstall()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        preempted, nonfinite = agree([self.signal.received is not None, self._local_nonfinite()], args.device)
+        scaler = active_scaler(self.trainer.accelerator)
+        preempted, nonfinite = agree([self.signal.received is not None, self._local_nonfinite(scaler)], args.device)
         self._nonfinite_now = nonfinite
         if nonfinite:
-            for param in self.trainer.model.parameters():
-                param.grad = None  # torch optimizers skip parameters without a gradient
+            if scaler is None:  # a scaler skips the step itself (and needs the gradients to see why)
+                for param in self.trainer.model.parameters():
+                    param.grad = None  # torch optimizers skip parameters without a gradient
             if self.nan_policy == "stop" and self.exit_code is None:
                 self.exit_code, self.reason = EXIT_NONFINITE, "a NaN/Inf loss (resilience.nan_policy=stop)"
         if preempted and self.exit_code is None:
@@ -231,12 +260,12 @@ class StepGuard(TrainerCallback):
                 self.exit_code, self.reason = EXIT_PREEMPTED, f"preempted ({stop}) during evaluation"
             raise
 
-    def _local_nonfinite(self) -> bool:
+    def _local_nonfinite(self, scaler: Any) -> bool:
         trainer = self.trainer
         if getattr(trainer, "is_deepspeed_enabled", False):
             engine = trainer.model_wrapped  # DeepSpeed has already stepped (and skipped an overflow)
             return not engine.was_step_applied() and not engine.fp16_enabled()
-        return nonfinite_gradients(trainer.model.parameters())
+        return counts_as_nonfinite(nonfinite_gradients(trainer.model.parameters()), scaler)
 
 
 def step_guard(trainer: Any) -> StepGuard:

@@ -36,7 +36,7 @@ MB = 2**20
 # Patterns match torch.cuda.get_device_name(), most specific first ("A10" must not catch "A100"/"A10G").
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     (r"H100.*PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2}),
-    (r"H100.*NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    (r"H[12]00.*NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),  # H100 NVL and H200 NVL share these
     (r"H100|H200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
     (r"A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
     (r"L40S", {"bf16": 362.0, "tf32": 183.0, "fp32": 91.6}),
@@ -46,10 +46,16 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 
 
 def compute_dtype(bf16: bool, fp16: bool) -> str:
-    """Which peak column applies: half precision, TF32 matmuls, or plain fp32."""
+    """Which peak column applies: half precision, TF32 matmuls, or plain fp32.
+
+    Reads torch's new ``fp32_precision`` API, never the legacy ``allow_tf32`` flag: transformers
+    (``--tf32``, ``--torch_compile`` in fp32) sets the new one, after which torch 2.13 raises on a
+    legacy read ("mix of the legacy and new APIs"). The cuBLAS leaf resolves its parents
+    (``torch.backends.fp32_precision``) and legacy writes alike.
+    """
     if bf16 or fp16:
         return "bf16"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
 
 
 def device_peak_flops(device: torch.device, dtype: str) -> float | None:
@@ -75,8 +81,9 @@ def matmul_params(model: torch.nn.Module) -> tuple[int, int]:
         if id(p) in lookups or id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
+        size = getattr(p, "ds_numel", None) or p.numel()  # ZeRO-3 leaves 0 elements locally; ds_numel is the full size
+        total += size
+        trainable += size if p.requires_grad else 0
     return total, trainable
 
 

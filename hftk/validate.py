@@ -60,9 +60,22 @@ def check_config(cfg: RunConfig) -> None:
         raise HftkError("model.lora_r", "must be >= 0.", "use 0 (full fine-tuning) or a rank like 8.")
     if t.get("bf16") and t.get("fp16"):
         raise HftkError("training.fp16", "bf16 and fp16 are both on.", "choose one mixed-precision mode.")
+    if t.get("fp16") and m.model_dtype == "float16" and not m.lora_r and not cfg.strategy.strategy.startswith("zero"):
+        # The AMP loss scaler keeps fp32 master gradients only; fp16 trainable weights make it raise
+        # "Attempting to unscale FP16 gradients" at the first step (LoRA adapters stay fp32 in PEFT,
+        # DeepSpeed keeps its own fp32 master copy: both train).
+        raise HftkError("model.model_dtype", "float16 weights with --fp16: the loss scaler cannot unscale fp16 "
+                        "gradients (it needs fp32 trainable weights).",
+                        "load fp32 weights (model_dtype float32) with --fp16, or use --bf16.")
     if t.get("fp16") and not torch.cuda.is_available():
         raise HftkError("training.fp16", "fp16 needs a CUDA GPU (this machine has none).",
                         "use training.bf16 on CPU, or no mixed precision.")
+    if t.get("tf32"):
+        from transformers.utils import is_torch_tf32_available
+
+        if not is_torch_tf32_available():  # TrainingArguments would raise a ValueError after launch
+            raise HftkError("training.tf32", "TF32 needs an NVIDIA Ampere or newer GPU (none here).",
+                            "drop --tf32 (bf16 is the fast mode on CPU).")
     if t.get("hub_token"):
         raise HftkError("training.hub_token", "tokens are never taken as options (they would be saved with the run).",
                         "export HF_TOKEN or run `hf auth login`.")

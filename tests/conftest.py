@@ -8,8 +8,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS)
+
+if not torch.cuda.is_available():  # on a GPU host DeepSpeed picks CUDA itself, as in a user's run
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers import FINETUNE, ROOT, TINY_ARGS, Launch, free_port
+from tests.helpers import FINETUNE, ROOT, TINY_ARGS, Launch, free_port, require_ranks
 from tests.hub_server import HubServer
 
 TOKEN = "hf_hftkTEST" + "x9Q2" * 6  # what the runs authenticate with; must never appear in any output
@@ -91,6 +91,7 @@ def hub_env(hub: HubServer) -> dict[str, str]:
 def start(nproc: int, args: list[str], output_dir: Path, max_restarts: int = 0, script: Path = FINETUNE,
           env: dict[str, str] | None = None) -> Running:
     """torchrun ``script`` with ``args`` in a new session (not waited for)."""
+    require_ranks(nproc)
     tag = uuid.uuid4().hex
     # Restarts need a fresh store per round (hftk refuses anything else): the c10d rendezvous
     # with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.

@@ -40,6 +40,29 @@ class Launch:
         return self.stdout + self.stderr
 
 
+def require_ranks(ranks: int) -> None:
+    """Skip (reason in pytest's -rs summary) a launch of ``ranks`` processes this host cannot hold.
+
+    On a CPU-only host gloo runs any number of ranks. On a GPU host hftk gives each rank its own
+    device (NCCL, ``cuda:LOCAL_RANK``): two ranks on one GPU would ask for ``cuda:1``, or, as two
+    nodes of one rank each, share ``cuda:0``, which NCCL refuses. Every multi-process launch of the
+    suite goes through here, so those tests skip on a 1-GPU host and nothing else does.
+    """
+    import pytest
+    import torch
+
+    if ranks > 1 and torch.cuda.is_available() and torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs {ranks} GPUs (one per rank under NCCL); this host has {torch.cuda.device_count()}")
+
+
+def cpu_only_cases(*cases: Any) -> list[Any]:
+    """Parametrize cases for refusals that exist only on a CPU-only host (fp16, dropout in the CPU
+    ring attention): on a GPU host those options are valid, so the cases are not generated there."""
+    import torch
+
+    return [] if torch.cuda.is_available() else list(cases)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,6 +86,7 @@ def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: 
 def torchrun(nproc: int, script: Path | str, args: list[str], timeout: float = 300, nnodes: int = 1,
              env: dict[str, str] | None = None, extra: list[str] | None = None) -> Launch:
     """``python -m torch.distributed.run`` on loopback; nproc == 1 runs the script directly."""
+    require_ranks(nproc * nnodes)
     if nproc == 1 and nnodes == 1 and not extra:
         return run([sys.executable, str(script), *args], timeout, env)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",

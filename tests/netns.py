@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, free_port, require_ranks
 
 SUBNET = "10.77.{n}.{host}"
 
@@ -88,6 +88,7 @@ def two_hosts() -> Iterator[tuple[Host, Host]]:
 def node_command(host: Host, main: Host, node_rank: int, nnodes: int, nproc: int, port: int,
                  script: Path, args: list[str], extra: list[str] | None = None) -> list[str]:
     """torchrun for one node of a multi-node job (static rendezvous at ``main``)."""
+    require_ranks(nnodes * nproc)  # the "nodes" share this host's devices
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
            f"--node_rank={node_rank}", f"--master_addr={main.name if main.netns else main.address}",
            f"--master_port={port}", *(extra or []), str(script), *args]

@@ -11,7 +11,7 @@ import pytest
 
 from hftk.bench.cli import BENCHES, available
 from hftk.bench.report import numeric_leaves, unmeasured
-from tests.helpers import run
+from tests.helpers import require_ranks, run
 
 REDUCED = [
     "--model", "builtin:gpt2-tiny", "--block_size", "64", "--nproc", "2",
@@ -30,6 +30,7 @@ REDUCED = [
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
+    require_ranks(2)  # --nproc 2
     out = tmp_path_factory.mktemp("bench") / "report"
     result = run([sys.executable, "-m", "hftk.cli", "bench", "all", "--out", str(out), *REDUCED], timeout=900)
     return out, result

@@ -13,7 +13,7 @@ import pytest
 from hftk.errors import HftkError
 from hftk.launch import (DEEPSPEED_STRATEGIES, LAUNCH_STRATEGIES, adopt_launcher_strategy, launcher_strategy,
                          render_all)
-from tests.helpers import ROOT, free_port, run
+from tests.helpers import ROOT, free_port, require_ranks, run
 
 CONFIGS = ROOT / "accelerate_configs"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
@@ -66,6 +66,7 @@ def test_yaml_fields_start_two_real_ranks_on_cpu_and_gpu(strategy, monkeypatch):
 
 @pytest.mark.slow
 def test_ddp_yaml_really_starts_two_gloo_ranks():
+    require_ranks(2)
     result = run([str(ACCELERATE), "launch", "--config_file", str(CONFIGS / "ddp.yaml"), "--main_process_port",
                   str(free_port()), str(ROOT / "tests" / "workers" / "launch_probe.py")], timeout=300)
     assert result.returncode == 0, result.output[-4000:]

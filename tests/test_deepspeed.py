@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hftk.errors import HftkError
-from tests.helpers import TINY_ARGS, finetune, load_weights, losses, max_weight_diff, metrics, run
+from tests.helpers import TINY_ARGS, cpu_only_cases, finetune, load_weights, losses, max_weight_diff, metrics, run
 
 STEPS = 10
 CLIP = ["--max_grad_norm", "0.5"]
@@ -242,6 +242,7 @@ def test_use_cpu_is_refused_only_where_it_would_drop_deepspeed(monkeypatch):
 
     monkeypatch.setenv("LOCAL_RANK", "0")
     cfg = load_config(["--strategy", "zero3", "--use_cpu", "true"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     deepspeed.validate(cfg, 2)  # no GPU: hftk runs DeepSpeed on the CPU with use_cpu anyway
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(HftkError, match="training.use_cpu"):
@@ -264,7 +265,7 @@ BAD = [
     # (id, extra args, field named in the one-line error)
     ("fsdp_offload_with_zero", ["--strategy", "zero2", "--fsdp_cpu_offload"], "strategy.fsdp_cpu_offload"),
     ("hybrid_with_zero", ["--strategy", "zero3", "--fsdp_hybrid"], "strategy.fsdp_hybrid"),
-    ("fp16_on_cpu", ["--strategy", "zero3", "--fp16"], "training.fp16"),
+    *cpu_only_cases(("fp16_on_cpu", ["--strategy", "zero3", "--fp16"], "training.fp16")),
     ("ddp_hook_with_zero", ["--strategy", "zero1", "--grad_compression", "fp16"], "strategy.grad_compression"),
     ("own_deepspeed_json", ["--strategy", "zero2", "--deepspeed", "ds.json"], "training.deepspeed"),
     ("sgd_with_offload", ["--strategy", "zero3_offload", "--optim", "sgd"], "training.optim"),
@@ -285,3 +286,23 @@ def test_bad_combinations_are_one_line_errors(case_id, args, field, tmp_path, ca
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"hftk: error: {field}: ") and "Fix:" in err[0], err[0]
     assert not out.exists()
+
+
+def test_offload_without_a_toolchain_is_one_line_before_launch(tmp_path, monkeypatch):
+    """DeepSpeed JIT-builds CPU Adam at the first step of zero3_offload: a machine without the
+    tools hears what to install before any rank starts, not minutes later in a compiler log."""
+    from hftk.config import load_config
+    from hftk.strategies import deepspeed as ds
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built yet
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    cfg = load_config(["--strategy", "zero3_offload"])
+    with pytest.raises(HftkError) as refused:
+        ds.validate(cfg, 1)
+    line = refused.value.one_line()
+    assert refused.value.field == "strategy.strategy" and "C++ compiler" in line and "ninja" in line, line
+    ds.validate(load_config(["--strategy", "zero3"]), 1)  # no offload: nothing to build
+    (tmp_path / "cpu_adam").mkdir(exist_ok=True)
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")  # built once: no tools needed any more
+    ds.validate(cfg, 1)

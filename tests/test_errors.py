@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import FINETUNE, run
+from tests.helpers import FINETUNE, cpu_only_cases, run
 
 
 @pytest.fixture()
@@ -37,7 +37,7 @@ CASES = [
     ("bad_choice", ["--strategy", "zero9"], "--strategy"),
     ("bad_type", ["--block_size", "big"], "--block_size"),
     ("bf16_and_fp16", ["--bf16", "--fp16"], "training.fp16"),
-    ("fp16_on_cpu", ["--fp16"], "training.fp16"),
+    *cpu_only_cases(("fp16_on_cpu", ["--fp16"], "training.fp16"), ("tf32_on_cpu", ["--tf32", "true"], "training.tf32")),
     ("empty_dataset", ["--dataset", "{tmp}/empty.txt"], "data.dataset"),
     ("missing_dataset", ["--dataset", "./no/such/file.txt"], "data.dataset"),
     ("bad_eval_fraction", ["--eval_fraction", "1.5"], "data.eval_fraction"),

@@ -4,13 +4,15 @@ peak memory windows, the monitor's own numbers, and its option checks."""
 from __future__ import annotations
 
 import math
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from hftk.telemetry import (FIELDS, RankMonitor, comm_intervals, device_peak_flops, flops_per_token, matmul_params,
-                            peak_memory_bytes, reset_peak_memory, summarize, union_seconds)
+from hftk.telemetry import (FIELDS, RankMonitor, comm_intervals, compute_dtype, device_peak_flops, flops_per_token,
+                            matmul_params, peak_memory_bytes, reset_peak_memory, summarize, union_seconds)
+from tests.helpers import ROOT, free_port, run
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,47 @@ def test_flops_per_token_counts_matmul_weights_and_attention(tiny_model):
     finally:
         for p in tiny_model.parameters():
             p.requires_grad_(True)
+
+
+def test_compute_dtype_reads_tf32_as_transformers_sets_it():
+    """transformers' ``--tf32`` / ``--torch_compile`` set torch's new fp32_precision API; a legacy
+    ``allow_tf32`` read after that raises in torch 2.13 ("mix of the legacy and new APIs")."""
+    from transformers.utils.import_utils import enable_tf32
+
+    before = torch.backends.fp32_precision
+    try:
+        enable_tf32(True)
+        assert compute_dtype(bf16=False, fp16=False) == "tf32"
+        assert compute_dtype(bf16=True, fp16=False) == "bf16"
+        enable_tf32(False)
+        assert compute_dtype(bf16=False, fp16=False) == "fp32"
+    finally:
+        torch.backends.fp32_precision = before
+
+
+@pytest.mark.slow
+def test_flops_per_token_counts_zero3_partitioned_parameters_whole():
+    """Under ZeRO-3 every rank holds 0 elements of each parameter; MFU must still count the full model."""
+    import json
+
+    result = run([sys.executable, str(ROOT / "tests" / "workers" / "zero3_flops.py")], timeout=600,
+                 env={"MASTER_PORT": str(free_port())})
+    line = next((ln for ln in result.stdout.splitlines() if ln.startswith("FLOPS ")), None)
+    assert result.returncode == 0 and line, result.output[-4000:]
+    counts = json.loads(line[len("FLOPS "):])
+    assert counts["local_elements"] == 0, counts  # really partitioned
+    assert counts["partitioned"] == counts["whole"], counts
+
+
+@pytest.mark.parametrize("name,bf16", [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0),
+                                       ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.4), ("NVIDIA H200 NVL", 835.0),
+                                       ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A10", 125.0), ("NVIDIA L4", 121.0),
+                                       ("NVIDIA L40S", 362.0), ("NVIDIA A10G", None)])
+def test_gpu_peak_table_picks_the_variant_from_the_device_name(monkeypatch, name, bf16):
+    """SXM vs PCIe vs NVL differ by up to 25 %; "A10" must not catch "A100" or "A10G" (unknown: no MFU)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    peak = device_peak_flops(torch.device("cuda", 0), "bf16")
+    assert peak == (bf16 * 1e12 if bf16 else None)
 
 
 def test_no_mfu_peak_on_cpu():

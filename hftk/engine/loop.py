@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -31,12 +30,12 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from hftk import lora, strategies
-from hftk.checkpoint import announce_resume, atomic_save, resolve_resume, staged_folder, staging_root
+from hftk.checkpoint import (announce_resume, atomic_save, load_rng, resolve_resume, save_rng, staged_folder,
+                             staging_root)
 from hftk.data import announce_eval
 from hftk.engine.guard import check_world
 from hftk.engine.trainer import FINAL_DIR, build_training_arguments, load_data
@@ -50,7 +49,6 @@ from hftk.telemetry import RankMonitor, RankMonitorCallback, compute_dtype, devi
 
 STATE_FILE = "trainer_state.json"  # the Trainer's own state file (global step, log history)
 SCHEDULER_FILE = "scheduler.pt"
-RNG_FILE = "rng_state_{}.pth"
 
 
 @dataclass
@@ -282,14 +280,14 @@ def _run_epochs(run: Run, pipeline: Any, resume: str | None, steps_per_epoch: in
                 loader = skip_first_batches(run.train_loader, skip_batches)
                 step, done_updates, rng_pending = skip_batches - 1, skip_batches // accum, True
             else:
-                _load_rng(Path(resume))
+                load_rng(Path(resume))
         _set_epoch(loader, epoch)
         batches_iter = iter(loader)
         remainder = steps_in_epoch % accum or accum
         for update in range(done_updates, steps_per_epoch):
             batches = list(islice(batches_iter, accum if update != steps_per_epoch - 1 else remainder))
             if rng_pending:
-                _load_rng(Path(resume))
+                load_rng(Path(resume))
                 rng_pending = False
             if not batches:
                 run.control.should_training_stop = True
@@ -529,7 +527,7 @@ def _write_stage_files(run: Run, pipeline: Any, folder: Path, with_optimizer: bo
     if run.adapter is not None:
         _write_adapter(run, folder)
     if with_optimizer:
-        torch.save(_rng_state(), folder / RNG_FILE.format(run.rank))
+        save_rng(folder)
     if run.rank == 0:
         manifest = pipeline.manifest(run.rt, run.prepared.cfg.strategy.pp_schedule)
         (folder / pipeline.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -555,27 +553,6 @@ def _load_checkpoint(run: Run, pipeline: Any, folder: Path) -> None:
     saved = TrainerState.load_from_json(str(folder / STATE_FILE))
     for key in ("global_step", "epoch", "log_history", "total_flos", "best_metric", "best_global_step"):
         setattr(run.state, key, getattr(saved, key))
-
-
-def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    state = {"python": random.getstate(), "cpu": torch.random.get_rng_state(),
-             "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:])}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.random.get_rng_state_all()
-    return state
-
-
-def _load_rng(folder: Path) -> None:
-    """This rank's generators as they were at the checkpoint (dropout continues identically)."""
-    file = folder / RNG_FILE.format(dist.get_rank())
-    state = torch.load(file, weights_only=True)
-    random.setstate(state["python"])
-    name, key, *rest = state["numpy"]
-    np.random.set_state((name, key.numpy().astype(np.uint32), *rest))
-    torch.random.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.random.set_rng_state_all(state["cuda"])
 
 
 def _write_adapter(run: Run, folder: Path) -> None:

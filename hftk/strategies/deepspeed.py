@@ -13,9 +13,12 @@ seconds, and ``hftk export`` reads ZeRO checkpoints through this module without 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import pickle
 import re
+import shutil
+import sysconfig
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -125,10 +128,41 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if name in OFFLOADED and not optim.startswith("adamw"):
         raise HftkError("training.optim", f"{name} steps the optimizer on the CPU with DeepSpeed's CPU AdamW, "
                         f"not {optim}.", "drop --optim, or use --strategy zero3 to keep your optimizer.")
+    missing = missing_cpu_adam_tools() if name in OFFLOADED else []
+    if missing:
+        raise HftkError("strategy.strategy", f"{name} steps the optimizer with DeepSpeed's CPU Adam, built on first use; "
+                        f"this machine lacks {'; '.join(missing)}.", "install them (or use --strategy zero3).")
     if "LOCAL_RANK" not in os.environ:
         raise HftkError("launch", f"{name} runs under a launcher, even for one process (DeepSpeed reads its rank "
                         "from the environment).", "use `torchrun --nproc_per_node N scripts/finetune.py ...` or "
                         f"`accelerate launch --config_file accelerate_configs/{name}.yaml scripts/finetune.py ...`.")
+
+
+def missing_cpu_adam_tools() -> list[str]:
+    """What DeepSpeed's JIT build of ``cpu_adam`` (the offloaded optimizer step) lacks here; [] when built.
+
+    Checked before launch because the build otherwise fails minutes into the first run, on every
+    rank, in a compiler log. Prebuilding in setup.sh (``DS_BUILD_CPU_ADAM=1``) would need the same
+    tools and cost minutes for users who never offload, so hftk names what to install instead.
+    """
+    from torch.utils.cpp_extension import CUDA_HOME, _get_build_directory
+
+    package = importlib.util.find_spec("deepspeed")  # the spec only: importing deepspeed prints a banner
+    prebuilt = [Path(p) / "ops" / "adam" for p in (package.submodule_search_locations or [])] if package else []
+    jit = Path(_get_build_directory("cpu_adam", verbose=False))
+    if any(any(folder.glob("cpu_adam*.so")) for folder in [*prebuilt, jit]):
+        return []
+    missing = []
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        missing.append(f"a C++ compiler ({compiler}; e.g. apt-get install g++)")
+    if shutil.which("ninja") is None:
+        missing.append("ninja (pip install ninja)")
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        missing.append(f"the Python headers (Python.h; e.g. apt-get install python{sysconfig.get_python_version()}-dev)")
+    if torch.cuda.is_available() and not (CUDA_HOME and Path(CUDA_HOME, "bin", "nvcc").exists()):
+        missing.append(f"the CUDA {torch.version.cuda} toolkit (nvcc; set CUDA_HOME)")
+    return missing
 
 
 def training_arguments(cfg: RunConfig, model_config: Any) -> dict[str, Any]:

@@ -11,9 +11,14 @@ import torch.distributed as dist
 from hftk.launch import launcher_strategy
 from hftk.run import exit_without_teardown
 
-backend = "nccl" if torch.cuda.is_available() else "gloo"
-dist.init_process_group(backend)
-one = torch.ones(1)
+if torch.cuda.is_available():  # NCCL reduces device tensors only: each rank on its own GPU
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+else:
+    device = torch.device("cpu")
+    dist.init_process_group("gloo")
+one = torch.ones(1, device=device)
 dist.all_reduce(one)
 found = launcher_strategy(os.environ)
 line = "PROBE " + json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": one.item(),

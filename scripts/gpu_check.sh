@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# GPU check of hftk's CUDA-only paths, for the next session lent an NVIDIA GPU (one is enough;
+# under 8 minutes on one H200). It runs the suite's GPU-relevant in-process tests, then short real
+# runs at world size 1 under torchrun (NCCL): ddp fp32 / bf16 / tf32 / fp16 (an overflow the loss
+# scaler skips must not stop the run), fsdp bf16, zero3 bf16, zero3_offload bf16, a resume with
+# dropout on (losses after the resume equal the uninterrupted run's), and writes
+# summary.md (tokens/s, MFU, peak memory per run, from each run's metrics.jsonl) plus the logs to
+# the folder given as $1 (default: $OUT when set, else gpu_check_out). Layouts that need 2 GPUs
+# (pipeline, tp, cp, sp) are listed as skipped. On a machine without a GPU it says so and exits 1.
+#
+# Python: $PYTHON, else .venv/bin/python, else python3. Packages missing there can be carried as
+# wheels in .whl/ (README "GPU check"); they are installed into a private folder, never over torch.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-gpu_check_out}}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  echo "gpu_check: no NVIDIA GPU on this machine (nvidia-smi lists none); run it where one is lent" >&2
+  exit 1
+fi
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/hftk-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/hftk-site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
+       HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
+"$PY" - <<'PY' 2>&1 | tee "$OUT_DIR/environment.txt" || exit 1
+import sys
+import torch
+if not torch.cuda.is_available():
+    sys.exit(f"gpu_check: nvidia-smi lists a GPU but torch {torch.__version__} sees none (a CPU wheel?)")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} x "
+      f"{torch.cuda.get_device_name(0)}")
+missing = []
+for name in ("transformers", "accelerate", "deepspeed", "datasets", "peft", "hftk"):
+    try:
+        module = __import__(name)
+        print(f"{name} {getattr(module, '__version__', '')}")
+    except Exception as exc:  # report every missing package at once, then fail
+        missing.append(f"{name} ({exc})")
+if torch.__version__.split("+")[0] != "2.13.0":
+    print(f"gpu_check: note: hftk is pinned to torch 2.13.0, this is {torch.__version__}")
+if missing:
+    sys.exit("gpu_check: cannot import " + "; ".join(missing))
+PY
+
+declare -A RC
+step() {  # step NAME COMMAND...: run, log to $OUT_DIR/NAME.log, remember the exit code
+  local name=$1; shift
+  echo "== $name"
+  timeout 240 "$@" >"$OUT_DIR/$name.log" 2>&1
+  RC[$name]=$?
+  echo "   exit ${RC[$name]} ($(tail -n 1 "$OUT_DIR/$name.log" | cut -c1-150))"
+}
+
+step tests "$PY" -m pytest -q -rs -p no:cacheprovider -m "not slow" -k "not setup_refuses" tests/test_mixed_precision.py \
+  tests/test_rng_state.py tests/test_telemetry.py tests/test_gpu_readiness.py \
+  "tests/test_deepspeed.py::test_offload_without_a_toolchain_is_one_line_before_launch"
+
+WORK=$(mktemp -d /tmp/hftk-gpu-check.XXXX)
+COMMON=(--model_name_or_path builtin:gpt2-90m --model_dropout 0 --block_size 1024 --max_train_samples 4000
+        --per_device_train_batch_size 8 --max_steps 30 --logging_steps 10 --learning_rate 3e-4
+        --lr_scheduler_type constant --warmup_steps 0 --eval_strategy no --save_strategy no --report_to none
+        --disable_tqdm true --seed 7)
+train() {  # train NAME ARGS...: one rank under torchrun (NCCL), hftk's real entry point
+  local name=$1; shift
+  step "$name" "$PY" -m torch.distributed.run --nproc_per_node 1 --standalone \
+    scripts/finetune.py "${COMMON[@]}" --output_dir "$WORK/$name" "$@"
+}
+train ddp_fp32 --strategy ddp
+train ddp_tf32 --strategy ddp --tf32 true
+train ddp_bf16 --strategy ddp --bf16
+train ddp_fp16 --strategy ddp --fp16 --nan_policy stop  # first steps overflow at scale 2**16
+train fsdp_bf16 --strategy fsdp --bf16
+train zero3_bf16 --strategy zero3 --bf16
+train zero3_offload_bf16 --strategy zero3_offload --bf16
+
+# Resume with dropout on: 20 steps saving at 10, then a new folder holding only checkpoint-10 resumed.
+train resume_full --strategy ddp --bf16 --model_dropout 0.1 --max_steps 20 --logging_steps 1 \
+  --save_strategy steps --save_steps 10
+mkdir -p "$WORK/resume_resumed" && cp -r "$WORK/resume_full/checkpoint-10" "$WORK/resume_resumed/"
+train resume_resumed --strategy ddp --bf16 --model_dropout 0.1 --max_steps 20 --logging_steps 1 \
+  --save_strategy steps --save_steps 10 --resume_from_checkpoint latest
+step resume_check "$PY" scripts/gpu_check_summary.py --resume "$WORK/resume_full" "$WORK/resume_resumed"
+
+RUNS=(ddp_fp32 ddp_tf32 ddp_bf16 ddp_fp16 fsdp_bf16 zero3_bf16 zero3_offload_bf16)
+{ "$PY" scripts/gpu_check_summary.py "$WORK" "${RUNS[@]}"
+  echo; cat "$OUT_DIR/resume_check.log"
+  echo; echo "skipped: pipeline, tp, cp, sp (each needs 2 GPUs: one rank per GPU under NCCL)"; } | tee "$OUT_DIR/summary.md"
+rm -rf "$WORK"
+failed=0
+for name in "${!RC[@]}"; do [ "${RC[$name]}" -eq 0 ] || { echo "gpu_check: $name failed (exit ${RC[$name]}): $OUT_DIR/$name.log" >&2; failed=1; }; done
+exit $failed

@@ -1,0 +1,86 @@
+"""What lets the suite and the set-up run on a GPU host, checked on any host: setup.sh refuses a
+torch that does not see the GPU nvidia-smi lists, the shared rank guard of every multi-process
+launch, and scripts/gpu_check.sh (its no-GPU answer and its summary of real metrics)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, finetune, require_ranks, run
+
+
+def _fake_nvidia_smi(folder):
+    fake = folder / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-0)'\n")
+    fake.chmod(0o755)
+    return f"{folder}:{os.environ['PATH']}"
+
+
+def test_setup_refuses_a_torch_that_does_not_see_the_listed_gpu(tmp_path):
+    """nvidia-smi is a script listing one GPU; CUDA_VISIBLE_DEVICES="" hides any real one, so a CUDA
+    build on a GPU host is refused here just as a CPU wheel is. Nothing is installed before the check."""
+    result = run(["bash", str(ROOT / "scripts" / "setup.sh")], timeout=300,
+                 env={"PATH": _fake_nvidia_smi(tmp_path), "CUDA_VISIBLE_DEVICES": ""})
+    lines = [line for line in result.stderr.splitlines() if line.startswith("setup:")]
+    assert result.returncode != 0, result.output[-3000:]
+    assert len(lines) == 1 and "lists 1 GPU(s)" in lines[0] and "sees none" in lines[0], result.output[-3000:]
+
+
+def test_launches_skip_only_where_a_gpu_host_lacks_a_gpu_per_rank(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    require_ranks(8)  # CPU-only host: gloo runs any number of ranks
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    require_ranks(1)
+    with pytest.raises(pytest.skip.Exception, match="needs 2 GPUs .*this host has 1"):
+        require_ranks(2)
+
+
+def test_gpu_check_fails_in_one_line_without_a_gpu_torch_can_use(tmp_path):
+    """No GPU listed: it says so. On a GPU host the GPU is hidden from torch: it says torch sees none."""
+    gpu_host = torch.cuda.is_available()
+    result = run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path)], timeout=120,
+                 env={"CUDA_VISIBLE_DEVICES": ""} if gpu_host else None)
+    assert result.returncode == 1, result.output[-3000:]
+    assert ("sees none" if gpu_host else "no NVIDIA GPU") in result.stderr, result.output[-3000:]
+    assert not (tmp_path / "summary.md").exists()  # no run started
+
+
+def _summary(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check_summary.py"), *map(str, args)],
+                          capture_output=True, text=True)
+
+
+@pytest.mark.slow
+def test_gpu_check_summary_and_resume_verdict_on_real_runs(tmp_path):
+    """gpu_check's two readings on the same flow it runs (here on this host's device): the table
+    from metrics.jsonl, and the resume-with-dropout verdict (which must also catch a difference)."""
+    import json
+    import shutil
+
+    run_args = ["--model_dropout", "0.1", "--max_train_samples", "300", "--max_steps", "4", "--save_strategy", "steps",
+                "--save_steps", "2"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    finetune(1, [*run_args, "--output_dir", str(full)])
+    resumed.mkdir()
+    shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
+    finetune(1, [*run_args, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"])
+
+    table = _summary(tmp_path, "full", "absent").stdout.splitlines()
+    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    assert cells[0] == "full" and float(cells[1].replace(",", "")) > 0 and float(cells[3].replace(",", "")) > 0, table
+    assert (cells[2] == "-") == (not torch.cuda.is_available()), table  # MFU needs a GPU's peak
+    assert table[3] == "| absent | - | - | - | - |", table
+
+    verdict = _summary("--resume", full, resumed)
+    assert verdict.returncode == 0 and "steps 3-4 match" in verdict.stdout, verdict.stdout + verdict.stderr
+    rows = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps({**r, "loss": r["loss"] + 0.01} if "loss" in r else r)
+                                                   + "\n" for r in rows))
+    verdict = _summary("--resume", full, resumed)
+    assert verdict.returncode == 1 and "DIFFER" in verdict.stdout, verdict.stdout
