@@ -28,6 +28,7 @@ import torch
 
 from hftk.config import RunConfig
 from hftk.errors import HftkError
+from hftk.support import check_lora
 
 ENGINE = "mesh_loop"
 FAMILIES = ("llama", "mistral", "qwen2")  # attention receives position_ids through its kwargs
@@ -48,8 +49,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         if getattr(s, name) != 1:
             raise HftkError(f"strategy.{name}", "does not compose with strategy sp in hftk.",
                             "use strategy sp (sp x data parallel) or strategy tp (tp x dp_shard x dp_replicate).")
-    if cfg.model.lora_r > 0:
-        raise HftkError("model.lora_r", "LoRA is not supported with strategy sp.", "train the full model, or use ddp.")
+    check_lora("sp", cfg.model.lora_r)
     if cfg.model.attn_implementation not in (None, ATTENTION):
         raise HftkError("model.attn_implementation", f"'{cfg.model.attn_implementation}' is not supported with "
                         "strategy sp (Ulysses needs an attention without a 4-D mask).", f"use {ATTENTION}.")
