@@ -1,8 +1,8 @@
 """What hftk supports: every strategy x model family x {full fine-tuning, LoRA}, in one table.
 
 The strategies' validators take their LoRA refusals from here (:func:`check_lora`), the README's
-support table is rendered from it (``python -m hftk.support`` prints it; tests/test_support.py keeps
-the README equal), and tests/test_matrix.py runs every cell on 2 ranks and asserts each one trains
+support table is rendered from it (``python -m hftk.support README.md`` rewrites it;
+tests/test_support.py keeps the README equal), and tests/test_matrix.py runs every cell on 2 ranks and asserts each one trains
 and saves a loadable ``final/`` or is refused before launch exactly as :func:`expected` says.
 """
 
@@ -34,21 +34,39 @@ LORA_REFUSED = {
                       "layers LoRA wraps.", "train the full model, or use ddp / fsdp / zero1-3 / pipeline.")
     for strategy in ("tp", "cp", "sp")
 }
-# Families whose default config a strategy cannot train (the validator reads the model config itself;
-# this is what a model built from the family's default config meets).
-FAMILY_REFUSED = {
-    ("cp", "mistral"): Refusal("model.model_name_or_path", "Mistral's sliding-window attention needs a mask "
-                               "stricter than causal, which ring attention cannot apply."),
+# Families a strategy does not drive (its validator refuses them from here): Ulysses needs the
+# attention to take position ids through its kwargs, which GPT-2 and GPT-NeoX attention do not.
+STRATEGY_FAMILIES = {"sp": ("llama", "mistral", "qwen2")}
+# What a model built from the family's default config meets (the validator reads the config itself:
+# a Mistral without a sliding window trains under cp).
+DEFAULT_CONFIG_REFUSED = {
+    ("cp", "mistral"): Refusal("model.model_name_or_path", "Mistral's default sliding-window attention needs a "
+                               "mask stricter than causal, which ring attention cannot apply."),
 }
 
 
+def family_refusal(strategy: str, family: str) -> Refusal | None:
+    """Why ``strategy`` does not drive ``family`` at all, or None."""
+    allowed = STRATEGY_FAMILIES.get(strategy)
+    if allowed is None or family in allowed:
+        return None
+    return Refusal("model.model_name_or_path", f"architecture '{family}' is not supported by strategy {strategy}.",
+                   f"use a model of a supported family ({', '.join(allowed)}).")
+
+
+def check_family(strategy: str, family: str) -> None:
+    """Raise the table's refusal of ``family`` under ``strategy`` (called by that strategy's ``validate``)."""
+    refusal = family_refusal(strategy, family)
+    if refusal is not None:
+        raise HftkError(refusal.field, refusal.problem, refusal.fix)
+
+
 def expected(strategy: str, family: str, lora: bool) -> Refusal | None:
-    """``None`` when the cell trains and saves ``final/``; else the refusal it meets before launch."""
-    if (strategy, family) in FAMILY_REFUSED:
-        return FAMILY_REFUSED[(strategy, family)]
+    """``None`` when the cell trains and saves ``final/``; else the refusal it meets before launch, in
+    validation's order (LoRA options are checked with the model, before the strategy's own checks)."""
     if lora and strategy in LORA_REFUSED:
         return LORA_REFUSED[strategy]
-    return None
+    return family_refusal(strategy, family) or DEFAULT_CONFIG_REFUSED.get((strategy, family))
 
 
 def check_lora(strategy: str, lora_r: int) -> None:
@@ -58,23 +76,47 @@ def check_lora(strategy: str, lora_r: int) -> None:
         raise HftkError(refusal.field, refusal.problem, refusal.fix)
 
 
-def _cell(strategy: str, family: str) -> str:
-    full, lora = expected(strategy, family, False), expected(strategy, family, True)
-    if full is not None:
-        return f"refused: `{full.field}`"
-    return "full, LoRA" if lora is None else f"full (LoRA refused: `{lora.field}`)"
-
-
 def render_markdown() -> str:
-    """The README's support table (between its ``support-table`` markers)."""
+    """The README's support table (between its ``support-table`` markers), notes numbered per refusal."""
+    notes: list[Refusal] = []
+
+    def mark(refusal: Refusal) -> str:
+        if refusal not in notes:
+            notes.append(refusal)
+        return f"[{notes.index(refusal) + 1}]"
+
+    def cell(strategy: str, family: str) -> str:
+        full, lora = expected(strategy, family, False), expected(strategy, family, True)
+        if full is not None:
+            return f"refused {mark(full)}"
+        return "full, LoRA" if lora is None else f"full; LoRA refused {mark(lora)}"
+
     families = list(FAMILY_NAMES)
     lines = ["| strategy | " + " | ".join(FAMILY_NAMES[f] for f in families) + " |",
              "|---" * (len(families) + 1) + "|"]
-    lines += [f"| {s} | " + " | ".join(_cell(s, f) for f in families) + " |" for s in STRATEGIES]
-    reasons = {r.problem: None for r in [*LORA_REFUSED.values(), *FAMILY_REFUSED.values()]}
-    lines += ["", "Refusals are one line before launch (exit 2): " + " ".join(reasons)]
+    lines += [f"| {s} | " + " | ".join(cell(s, f) for f in families) + " |" for s in STRATEGIES]
+    lines += [""] + [f"[{i}] `{r.field}`: {r.problem}" + ("  " if i < len(notes) else "")
+                     for i, r in enumerate(notes, 1)]
     return "\n".join(lines) + "\n"
 
 
+BEGIN = "<!-- support-table: generated by `python -m hftk.support README.md`; do not edit by hand -->"
+END = "<!-- /support-table -->"
+
+
+def with_table(readme: str) -> str:
+    """``readme`` with the text between its support-table markers replaced by :func:`render_markdown`."""
+    head, found, rest = readme.partition(BEGIN + "\n")
+    if not found or END not in rest:
+        raise HftkError("README.md", "has no support-table markers.", f"add the lines {BEGIN} and {END}.")
+    return head + BEGIN + "\n" + render_markdown() + END + rest.split(END, 1)[1]
+
+
 if __name__ == "__main__":
-    print(render_markdown(), end="")
+    import sys
+    from pathlib import Path
+
+    if len(sys.argv) > 1:  # rewrite the table inside that file
+        Path(sys.argv[1]).write_text(with_table(Path(sys.argv[1]).read_text()))
+    else:
+        print(render_markdown(), end="")

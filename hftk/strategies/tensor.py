@@ -82,7 +82,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if s.fsdp_cpu_offload:
         raise HftkError("strategy.fsdp_cpu_offload", f"is not supported with strategy {s.strategy}.",
                         "drop it, or use strategy fsdp / zero3_offload for offloading.")
-    check_lora(s.strategy, cfg.model.lora_r)
+    check_lora(s.strategy, cfg.model.lora_r)  # under auto, LoRA must rule tp / cp out
     _, _, cp, tp = mesh_shape(cfg, world_size)
     check_training_options(cfg, s.strategy)
     model_config = load_model_config(cfg.model)
