@@ -29,10 +29,12 @@ class Refusal:
 
 
 # LoRA under layouts that shard the very layers LoRA wraps (DTensor rows / columns, Ulysses heads).
+_NO_LORA = ("tp", "cp", "sp")
 LORA_REFUSED = {
     strategy: Refusal("model.lora_r", f"LoRA is not supported with strategy {strategy}: its layout shards the "
-                      "layers LoRA wraps.", "train the full model, or use ddp / fsdp / zero1-3 / pipeline.")
-    for strategy in ("tp", "cp", "sp")
+                      "layers LoRA wraps.", f"use one of {', '.join(s for s in STRATEGIES if s not in _NO_LORA)} "
+                      "(or auto) for LoRA, or set lora_r 0 to train the full model.")
+    for strategy in _NO_LORA
 }
 # Families a strategy does not drive (its validator refuses them from here): Ulysses needs the
 # attention to take position ids through its kwargs, which GPT-2 and GPT-NeoX attention do not.
