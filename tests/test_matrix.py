@@ -120,22 +120,27 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
                         outcomes[(strategy, family, lora)] = refused
                     else:
                         cells.append({"name": out.name, "argv": argv, "key": (strategy, family, lora), "out": out})
+    launches: dict[str, float] = {}
     for engine in sorted({engine_of(c["key"][0]) for c in cells}):
         spec = root / f"{engine}.json"
         spec.write_text(json.dumps({"out": str(root), "cells": [{"name": c["name"], "argv": c["argv"]}
                                                                  for c in cells if engine_of(c["key"][0]) == engine]}))
+        launch_start = time.perf_counter()
         result = torchrun(2, WORKER, [str(spec)], timeout=900)
+        launches[engine] = time.perf_counter() - launch_start
         assert result.returncode == 0, f"matrix launch ({engine} engine) failed:\n{result.output[-8000:]}"
     for cell in cells:
         logged = losses(cell["out"])
         assert len(logged) == 2 and all(math.isfinite(v) for v in logged.values()), (cell["name"], logged)
         check_final(cell["out"] / "final", models[cell["key"][1]], cell["key"][2])
         outcomes[cell["key"]] = "trains"
-    report = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-    if report:
-        report.write_line(f"\nmatrix: {len(cells)} cells trained in one 2-rank launch per engine, "
-                          f"{len(outcomes) - len(cells)} refused before launch; {time.perf_counter() - start:.0f} s")
-        report.write_line(render_outcomes(outcomes))
+    summary = (f"\nmatrix: {len(cells)} cells trained (one 2-rank launch per engine), {len(outcomes) - len(cells)} "
+               f"refused before launch; {time.perf_counter() - start:.0f} s in all, launches: "
+               + ", ".join(f"{engine} {seconds:.0f} s" for engine, seconds in launches.items())
+               + f"\n{render_outcomes(outcomes)}")
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # shown in the test output, as capsys.disabled() does
+        print(summary, flush=True)
     return outcomes
 
 
