@@ -31,14 +31,13 @@ from typing import Any
 
 import torch
 
+from hftk import support
 from hftk.config import ModelConfig, RunConfig
 from hftk.errors import HftkError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_NAME = "default"  # PEFT's name for the one adapter get_peft_model creates
-# Strategies whose engines train a PeftModel; tp / cp / sp shard the linear layers LoRA wraps.
-SUPPORTED_STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "pipeline", "auto")
 _ATTENTION_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # model_type -> the attention and MLP projections (GPT-2's c_proj names both attention and MLP outputs).
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
@@ -90,10 +89,7 @@ def validate(cfg: RunConfig, model_config: Any) -> None:
         raise HftkError("model.lora_alpha", f"must be > 0, got {m.lora_alpha}.", "use e.g. 16 (scale = alpha / r).")
     if not 0 <= m.lora_dropout < 1:
         raise HftkError("model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}.", "use e.g. 0.05 or 0.")
-    if cfg.strategy.strategy not in SUPPORTED_STRATEGIES:
-        raise HftkError("model.lora_r", f"LoRA is not supported with strategy {cfg.strategy.strategy} (its tensor / "
-                        "sequence sharding splits the layers LoRA wraps).",
-                        f"use one of {', '.join(SUPPORTED_STRATEGIES)} for LoRA, or set lora_r 0.")
+    support.check_lora(cfg.strategy.strategy, m.lora_r)  # tp / cp / sp shard the layers LoRA wraps
     check_targets(m, model_config)
 
 

@@ -86,14 +86,14 @@ class Run:
 
 def train(prepared: PreparedRun) -> dict[str, float]:
     """Entry point for strategies whose ``ENGINE`` is this module; tears the process group down."""
-    metrics = run_loop(prepared)
+    metrics = run(prepared)
     # Torn down by us: gloo aborts when the interpreter exits with the group still alive.
     dist.barrier()
     dist.destroy_process_group()
     return metrics
 
 
-def run_loop(prepared: PreparedRun) -> dict[str, float]:
+def run(prepared: PreparedRun) -> dict[str, float]:
     """Train one prepared config; leaves the process group up (several runs may share it)."""
     from transformers import set_seed
 

@@ -408,7 +408,17 @@ def loop_args(cfg: Any, max_steps: int) -> SimpleNamespace:
 
 
 def train(prepared: PreparedRun) -> dict[str, float]:
-    """Run a tensor-, context- or sequence-parallel fine-tuning for a prepared (validated) config."""
+    """Run a tensor-, context- or sequence-parallel fine-tuning for a prepared (validated) config,
+    then tear the process group down (gloo aborts at exit with the group still alive)."""
+    result = run(prepared)
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def run(prepared: PreparedRun) -> dict[str, float]:
+    """Train and save ``final``; starts the process group unless one is up, and leaves it up
+    (several runs may share one launch: tests/workers/matrix_cells.py)."""
     from transformers import set_seed
 
     from hftk import hub, mesh_checkpoint
@@ -543,8 +553,6 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     if pusher is not None:
         pusher.push_final(final, step)  # waits; a failed push is reported, not raised
     reporter.close()
-    dist.barrier()
-    dist.destroy_process_group()
     return result
 
 

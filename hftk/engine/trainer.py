@@ -146,7 +146,17 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
 
 
 def train(prepared: PreparedRun) -> dict[str, float]:
-    """Run the Trainer for a prepared (validated) config; returns the final metrics."""
+    """Run the Trainer for a prepared (validated) config, then tear the process group down."""
+    metrics, trainer = run(prepared)
+    # Torn down by us: gloo aborts ("terminate called without an active exception") when the
+    # interpreter exits with the group still alive.
+    trainer.accelerator.end_training()
+    return metrics
+
+
+def run(prepared: PreparedRun) -> tuple[dict[str, float], Any]:
+    """Train and save ``final``; returns (final metrics, trainer) and leaves the process group up
+    (several runs may share one launch: tests/workers/matrix_cells.py)."""
     cfg = prepared.cfg
     trainer, strategy, data = build_trainer(prepared)
     pusher = run_pusher(prepared, trainer, cfg.output_dir / cfg.tracking.metrics_file)
@@ -172,7 +182,4 @@ def train(prepared: PreparedRun) -> dict[str, float]:
             write_run_files(final, record, cfg.training.get("hub_model_id"))
     if pusher is not None:
         pusher.push_final(cfg.output_dir / FINAL_DIR, step)  # waits; a failed push is reported, not raised
-    # Tear the process group down ourselves: gloo aborts ("terminate called without an active
-    # exception") when the interpreter exits with it still alive.
-    trainer.accelerator.end_training()
-    return metrics
+    return metrics, trainer

@@ -28,9 +28,9 @@ import torch
 
 from hftk.config import RunConfig
 from hftk.errors import HftkError
+from hftk.support import check_family, check_lora
 
 ENGINE = "mesh_loop"
-FAMILIES = ("llama", "mistral", "qwen2")  # attention receives position_ids through its kwargs
 ATTENTION = "sdpa"
 BUCKET_BYTES = 25 * 2**20
 
@@ -48,8 +48,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         if getattr(s, name) != 1:
             raise HftkError(f"strategy.{name}", "does not compose with strategy sp in hftk.",
                             "use strategy sp (sp x data parallel) or strategy tp (tp x dp_shard x dp_replicate).")
-    if cfg.model.lora_r > 0:
-        raise HftkError("model.lora_r", "LoRA is not supported with strategy sp.", "train the full model, or use ddp.")
+    check_lora("sp", cfg.model.lora_r)  # under auto, LoRA must rule sp out
     if cfg.model.attn_implementation not in (None, ATTENTION):
         raise HftkError("model.attn_implementation", f"'{cfg.model.attn_implementation}' is not supported with "
                         "strategy sp (Ulysses needs an attention without a 4-D mask).", f"use {ATTENTION}.")
@@ -58,9 +57,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
                         f"choose a block_size divisible by {s.sp_size}.")
     check_training_options(cfg, "sp")
     config = load_model_config(cfg.model)
-    if config.model_type not in FAMILIES:
-        raise HftkError("model.model_name_or_path", f"architecture '{config.model_type}' is not supported by "
-                        "strategy sp.", f"use a model of a supported family ({', '.join(FAMILIES)}).")
+    check_family("sp", config.model_type)
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if heads % s.sp_size or (kv % s.sp_size and s.sp_size % kv):
         raise HftkError("strategy.sp_size", f"the model's {heads} attention heads ({kv} key/value heads) do not split "
@@ -77,12 +74,13 @@ def register_ulysses(model: Any, group: Any) -> None:
     """
     import deepspeed.comm
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if model.config._attn_implementation != ATTENTION:
         model.set_attn_implementation(ATTENTION)
     deepspeed.comm.init_distributed(dist_backend=torch.distributed.get_backend())
-    core = ALL_ATTENTION_FUNCTIONS[ATTENTION]
+    core = sdpa_attention_forward  # not the registry's entry: an earlier run in this process replaced it
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     adapters: dict[int, UlyssesSPAttentionHF] = {}

@@ -30,6 +30,7 @@ from typing import Any
 
 from hftk.config import RunConfig
 from hftk.errors import HftkError
+from hftk.support import check_lora
 
 ENGINE = "mesh_loop"
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
@@ -81,9 +82,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if s.fsdp_cpu_offload:
         raise HftkError("strategy.fsdp_cpu_offload", f"is not supported with strategy {s.strategy}.",
                         "drop it, or use strategy fsdp / zero3_offload for offloading.")
-    if cfg.model.lora_r > 0:
-        raise HftkError("model.lora_r", f"LoRA is not supported with strategy {s.strategy}.",
-                        "train the full model, or use ddp / fsdp.")
+    check_lora(s.strategy, cfg.model.lora_r)  # under auto, LoRA must rule tp / cp out
     _, _, cp, tp = mesh_shape(cfg, world_size)
     check_training_options(cfg, s.strategy)
     model_config = load_model_config(cfg.model)

@@ -1,7 +1,7 @@
 """Several pipeline runs in one launch (one process group): `COMMON... ::: RUN1... ::: RUN2...`.
 
 Each run gets the common options plus its own, goes through the same validation as
-``hftk train`` and trains with :func:`hftk.engine.loop.run_loop`; sharing the launch saves
+``hftk train`` and trains with :func:`hftk.engine.loop.run`; sharing the launch saves
 the start-up of torch, transformers and the process group for every extra schedule.
 """
 
@@ -11,7 +11,7 @@ import sys
 
 import torch.distributed as dist
 
-from hftk.engine.loop import run_loop
+from hftk.engine.loop import run
 from hftk.run import prepare
 
 SEP = ":::"
@@ -20,7 +20,7 @@ SEP = ":::"
 def main(argv: list[str]) -> int:
     common, *runs = " ".join(argv).split(SEP)
     for extra in runs:
-        run_loop(prepare(common.split() + extra.split()))
+        run(prepare(common.split() + extra.split()))
     dist.barrier()
     dist.destroy_process_group()
     return 0
