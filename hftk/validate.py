@@ -139,4 +139,4 @@ def check_data(cfg: RunConfig, data_format: str) -> None:
     if cfg.strategy.strategy == "cp" and "messages" in data_format.split("+"):
         raise HftkError("data.data_format", "context parallel needs full blocks (ring attention takes no padding "
                         "mask) and conversations are padded, one per block.",
-                        "train conversations with ddp, fsdp, zero1-3, pipeline or tp.")
+                        "train conversations with ddp, fsdp, zero1-3, pipeline, tp or sp.")

@@ -1,7 +1,13 @@
-"""A conversation set trains on 2 gloo ranks (ddp and fsdp through the Trainer, tp through the mesh loop, pipeline through its loop) with the
-losses of one process, and final/ chats as trained: reloaded with from_pretrained, its tokenizer renders
-the generation prompt exactly as training rendered the conversations. Preprocessed once
-(``hftk preprocess``), it trains twice from the folder with the same losses."""
+"""A conversation set trains on 2 gloo ranks (ddp, fsdp and zero3 through the Trainer, tp and sp through the mesh
+loop, pipeline through its loop, LoRA under ddp) with the losses of one process, and final/ chats as trained:
+reloaded with from_pretrained, its tokenizer renders the generation prompt exactly as training rendered the
+conversations. Preprocessed once (``hftk preprocess``), it trains twice from the folder with the same losses.
+
+sp (Ulysses) needs a Llama-family model, so it has its own one-process reference on builtin:llama-tiny. It drops
+the attention mask and attends causally over the gathered sequence: exact because conversations are
+right-padded (no real token sees a pad), and a rank whose slice is all padding adds 0 tokens to the loss sum.
+LoRA compares the saved adapter with adam_epsilon 1e-4, as tests/test_lora.py does (near-zero adapter
+gradients would otherwise turn reduction-order bits into visible differences)."""
 
 from __future__ import annotations
 
@@ -16,6 +22,9 @@ STEPS = 4
 TOL = 1e-5
 CHAT = ["--chat_template", "chatml", "--block_size", "256", "--truncation", "truncate", "--max_steps", str(STEPS),
         "--eval_fraction", "0"]
+LLAMA = ["--model_name_or_path", "builtin:llama-tiny"]
+LORA = ["--lora_r", "8", "--adam_epsilon", "1e-4"]
+REFERENCE = {"sp": "llama_single", "lora_ddp": "lora_single"}  # every other run compares with "single"
 
 
 def conversations() -> list[dict]:
@@ -39,14 +48,20 @@ def runs(tmp_path_factory):
     data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in conversations()))
     common = [*CHAT, "--dataset", str(data)]
     single = finetune(1, [*common, "--output_dir", str(root / "single"), "--per_device_train_batch_size", "8"])
-    finetune(2, [*common, "--output_dir", str(root / "ddp"), "--per_device_train_batch_size", "4",
-                 "--save_strategy", "steps", "--save_steps", "2"])
-    finetune(2, [*common, "--output_dir", str(root / "tp"), "--strategy", "tp", "--tp_size", "2",
-                 "--per_device_train_batch_size", "8"], timeout=600)
-    finetune(2, [*common, "--output_dir", str(root / "fsdp"), "--strategy", "fsdp", "--per_device_train_batch_size", "4"],
-             timeout=600)
-    finetune(2, [*common, "--output_dir", str(root / "pipeline"), "--strategy", "pipeline", "--pp_size", "2",
-                 "--pp_microbatches", "4", "--per_device_train_batch_size", "8"], timeout=600)
+    runs = {  # name -> (processes, options)
+        "ddp": (2, ["--per_device_train_batch_size", "4", "--save_strategy", "steps", "--save_steps", "2"]),
+        "tp": (2, ["--strategy", "tp", "--tp_size", "2", "--per_device_train_batch_size", "8"]),
+        "fsdp": (2, ["--strategy", "fsdp", "--per_device_train_batch_size", "4"]),
+        "zero3": (2, ["--strategy", "zero3", "--per_device_train_batch_size", "4"]),
+        "pipeline": (2, ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "4",
+                         "--per_device_train_batch_size", "8"]),
+        "llama_single": (1, [*LLAMA, "--per_device_train_batch_size", "8"]),  # one process: writes llama-tiny first
+        "sp": (2, [*LLAMA, "--strategy", "sp", "--sp_size", "2", "--per_device_train_batch_size", "8"]),
+        "lora_single": (1, [*LORA, "--per_device_train_batch_size", "8"]),
+        "lora_ddp": (2, [*LORA, "--per_device_train_batch_size", "4"]),
+    }
+    for name, (nproc, options) in runs.items():
+        finetune(nproc, [*common, *options, "--output_dir", str(root / name)], timeout=600)
     return root, data, single.output
 
 
@@ -74,14 +89,31 @@ def test_training_from_the_preprocessed_folder_gives_the_same_losses(from_folder
         assert got[step] == pytest.approx(ref[step], abs=TOL), (name, step)
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "tp", "pipeline"])
-def test_losses_equal_one_process(runs, name):
-    root, _, _ = runs
-    ref, got = losses(root / "single"), losses(root / name)
+def assert_same_losses(name: str, root) -> None:
+    ref, got = losses(root / REFERENCE.get(name, "single")), losses(root / name)
     assert sorted(ref) == sorted(got) == list(range(1, STEPS + 1))
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=TOL), (name, step)
-    assert max_weight_diff(load_weights(root / "single" / "final"), load_weights(root / name / "final")) < TOL
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero3", "tp", "pipeline", "sp"])
+def test_losses_equal_one_process(runs, name):
+    root, _, _ = runs
+    assert_same_losses(name, root)
+    ref = root / REFERENCE.get(name, "single") / "final"
+    assert max_weight_diff(load_weights(ref), load_weights(root / name / "final")) < TOL
+
+
+def test_lora_adapter_equals_one_process(runs):
+    from safetensors.torch import load_file
+
+    root, _, _ = runs
+    assert_same_losses("lora_ddp", root)
+    ref, got = (load_file(str(root / name / "final" / "adapter_model.safetensors"))
+                for name in ("lora_single", "lora_ddp"))
+    assert len(ref) == 16 and not (root / "lora_ddp" / "final" / "model.safetensors").exists()  # the adapter alone
+    assert max_weight_diff(ref, got) < 1e-6
+    assert min(float(v.abs().max()) for k, v in got.items() if "lora_B" in k) > 1e-3  # trained (B starts at 0)
 
 
 def test_the_long_conversation_is_truncated_and_counted(runs):
@@ -89,7 +121,8 @@ def test_the_long_conversation_is_truncated_and_counted(runs):
     assert "truncated 1, dropped 0 of 40 conversations longer than block_size 256" in output
 
 
-@pytest.mark.parametrize("folder", ["single/final", "ddp/final", "ddp/checkpoint-2", "tp/final", "pipeline/final"])
+@pytest.mark.parametrize("folder", ["single/final", "ddp/final", "ddp/checkpoint-2", "tp/final",
+                                    "pipeline/final", "zero3/final", "lora_ddp/final"])
 def test_saved_tokenizer_renders_prompts_as_in_training(runs, folder):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -16,6 +16,10 @@ Three traps of the stock integration are closed here:
   ``from_pretrained`` returns an eval-mode model. hftk registers it with ``disable_in_eval=False``
   (evaluation is sequence parallel too) and the loop puts the model in train mode for every step.
 
+Padded blocks (conversations, one per block) are exact too: hftk pads on the right, so causal attention
+without a mask never lets a real token see a pad, and pads carry no label (a rank whose slice is all
+padding adds nothing to the loss sum or the token count).
+
 Only SDPA attention is supported: DeepSpeed refuses eager (it needs a 4-D mask), and flash
 attention was not tested here.
 """
