@@ -262,11 +262,12 @@ def test_a_checkpoint_saved_in_an_interrupted_evaluation_resumes(eval_preempted,
 
 @pytest.mark.parametrize("engine", ["trainer", "mesh_loop"])
 def test_sigterm_in_the_step_before_an_evaluation_saves_without_evaluating(engine, tmp_path):
-    """The signal lands inside step 2 (each step sleeps 2 s); step 2's evaluation is due next and must not run."""
+    """The signal lands inside step 2 (each step sleeps 6 s: 3 s per block, a window wide enough for torchrun's
+    forwarding on a loaded machine); step 2's evaluation is due next and must not run."""
     from tests.workers.slow_eval import EVAL_MARKER
 
     run = start(2, [*EVAL_ARGS, *ENGINES[engine]], tmp_path / "run", script=WORKERS / "slow_eval.py",
-                env={"HFTK_TRAIN_SLEEP_S": "1", "HFTK_EVAL_SLEEP_S": str(EVAL_SLEEP_S),
+                env={"HFTK_TRAIN_SLEEP_S": "3", "HFTK_EVAL_SLEEP_S": str(EVAL_SLEEP_S),
                      "HFTK_EXIT_DIR": str(tmp_path / "exit")})
     assert wait_for_step(run, 1, timeout=300) == 1
     stopped, seconds = sigterm_the_launcher(run)

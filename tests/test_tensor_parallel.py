@@ -576,7 +576,7 @@ def test_a_nonfinite_gradient_drops_the_update_and_a_signal_is_agreed(one_rank_g
     with torch.no_grad():
         model.model.norm.weight[0] = float("nan")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    out = mesh_loop.train_step(layout, [batch], optimizer, scheduler, 1.0, signalled=True)
+    out = mesh_loop.train_step(layout, [batch], optimizer, scheduler, 1.0, signalled=lambda: True)
     assert out["skipped"] and out["preempted"] and not math.isfinite(out["loss"])
     assert all(torch.allclose(before[n], p, equal_nan=True) for n, p in model.named_parameters())
     assert not optimizer.state and scheduler.last_epoch == 1  # no update, but the schedule advanced

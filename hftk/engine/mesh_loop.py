@@ -249,12 +249,14 @@ def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], autocast_dt
 
 
 def train_step(layout: MeshLayout, micro_batches: list[dict[str, torch.Tensor]], optimizer: Any, scheduler: Any,
-               max_grad_norm: float, count_memory: bool = False, signalled: bool = False) -> dict[str, Any]:
+               max_grad_norm: float, count_memory: bool = False,
+               signalled: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches; returns the global mean loss and grad norm.
 
     hftk.resilience's rules, agreed by every rank in one all-reduce: a non-finite gradient on any
-    rank drops the update (the step and LR schedule still advance); ``signalled`` (a preemption
-    signal on this rank) comes back as ``preempted`` on all of them. ``count_memory``: also this
+    rank drops the update (the step and LR schedule still advance); ``signalled()`` (a preemption
+    signal on this rank, read at the agreement, so one that lands during this step's forward and
+    backward counts for this step) comes back as ``preempted`` on all of them. ``count_memory``: also this
     rank's bytes of parameters, gradients and optimizer state, counted right after
     ``optimizer.step`` (the one moment all three exist).
     """
@@ -271,7 +273,7 @@ def train_step(layout: MeshLayout, micro_batches: list[dict[str, torch.Tensor]],
         total += plain(summed.detach()).to(torch.float64)
     loss = float(all_reduce_sum(total, layout.data_groups) / tokens)
     layout.reduce_grads()
-    preempted, nonfinite = agree([signalled, nonfinite_gradients(model.parameters())], tokens.device)
+    preempted, nonfinite = agree([signalled(), nonfinite_gradients(model.parameters())], tokens.device)
     out = {"loss": loss, "grad_norm": None, "memory": None, "skipped": nonfinite, "preempted": preempted}
     if not nonfinite:
         out["grad_norm"] = clip_grad_norm(model, max_grad_norm)
@@ -504,7 +506,7 @@ def run(prepared: PreparedRun) -> dict[str, float]:
             lr = scheduler.get_last_lr()[0]
             monitor.step_begin(step + 1)
             out = train_step(layout, micro_batches, optimizer, scheduler, t.get("max_grad_norm", 1.0),
-                             count_memory=state_bytes is None, signalled=signal.received is not None)
+                             count_memory=state_bytes is None, signalled=lambda: signal.received is not None)
             monitor.step_end()
             step += 1
             stop, reason = (EXIT_PREEMPTED, f"preempted ({signal_name(signal)})") if out["preempted"] else (None, "")
