@@ -1,0 +1,140 @@
+"""What autograd keeps for backward, read from the model's own forward on the meta device.
+
+A formula per layer (Korthikanti et al.'s ``34 b s h + 5 a s^2 b``) misses what a family really
+saves (GPT-2's tanh GELU keeps four 4h-wide tensors, Llama's RMSNorm an fp32 copy) and assumes
+eager attention's score matrices, which SDPA's fused kernels and flash attention never keep. So
+hftk runs one forward with labels on the meta device (shapes only, no memory, no compute), counts
+the bytes of every distinct storage autograd saves (``saved_tensors_hooks``; parameters excluded)
+and fits ``bytes = alpha * s + gamma * s^2`` per sequence from two lengths. The attention the run
+will use decides the trace: ``eager`` runs as written; every other implementation (``sdpa``,
+``flash_attention_2``, ...) is traced through torch's fused flash kernel, which keeps q, k, v, the
+output and the log-sum-exp (torch's meta device would otherwise pick SDPA's math path, which keeps
+the scores). Not modelled, both CPU-only: SDPA with a padding mask also keeps the mask (``b s^2``
+bytes, once), and SDPA with attention dropout runs the math path, which keeps the scores.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+TRACE_LENGTHS = (16, 32)  # two sequence lengths fix alpha and gamma exactly
+SCORE_KEEPING = ("eager",)  # attention implementations that keep the (b, a, s, s) probabilities
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Bytes per sequence of length s: ``alpha * s + gamma * s^2``."""
+
+    alpha: float
+    gamma: float
+
+    def at(self, seq_len: int) -> float:
+        return self.alpha * seq_len + self.gamma * seq_len**2
+
+
+@dataclass(frozen=True)
+class SavedActivations:
+    """One (dtype, attention) trace: what the model keeps, in whole and under activation checkpointing."""
+
+    total: Fit  # everything autograd keeps, the loss's fp32 log-probabilities included
+    checkpointed: Fit  # under activation checkpointing: what lies outside the blocks + every block's inputs
+    largest_block: Fit  # what one block keeps: recomputed at once in backward under checkpointing
+
+
+def trace_key(dtype_is_16bit: bool, attention: str) -> str:
+    return f"{'16bit' if dtype_is_16bit else 'float32'}/{'eager' if attention in SCORE_KEEPING else 'fused'}"
+
+
+def profile(model: torch.nn.Module, block_class: type) -> dict[str, SavedActivations]:
+    """Every (dtype, attention) trace of a meta-device model (it is cast to bf16 and back: meta holds no data)."""
+    result = {}
+    for half in (False, True):
+        model.to(torch.bfloat16 if half else torch.float32)
+        for attention in ("eager", "sdpa"):
+            points = [_trace(model, block_class, s, attention) for s in TRACE_LENGTHS]
+            result[trace_key(half, attention)] = SavedActivations(*(_fit(TRACE_LENGTHS, [p[i] for p in points])
+                                                                    for i in range(3)))
+    model.to(torch.float32)
+    return result
+
+
+def _fit(lengths: tuple[int, int], values: list[int]) -> Fit:
+    (s1, s2), (v1, v2) = lengths, values
+    gamma = (v2 / s2 - v1 / s1) / (s2 - s1)
+    return Fit(alpha=v1 / s1 - gamma * s1, gamma=gamma)
+
+
+def _trace(model: torch.nn.Module, block_class: type, seq_len: int, attention: str) -> tuple[int, int, int]:
+    """(total, checkpointed, largest block) bytes kept for backward by one sequence of ``seq_len``."""
+    # A storage's identity: meta tensors have no data pointer, so the StorageImpl address (``_cdata``) names it.
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    outside: dict[int, int] = {}
+    block_inputs: dict[int, int] = {}
+    per_block: list[dict[int, int]] = []
+
+    def keep(into: dict[int, int], tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in params:
+            into.setdefault(storage._cdata, storage.nbytes())
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        keep(per_block[-1] if per_block and per_block[-1] is not None else outside, tensor)
+        return tensor
+
+    def enter(module: Any, args: Any, kwargs: Any) -> None:  # a checkpoint keeps the block's tensor inputs
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                keep(block_inputs, leaf)
+        per_block.append({})
+
+    def leave(*_: Any) -> None:
+        per_block.append(None)  # back outside the blocks
+
+    blocks = [m for m in model.modules() if isinstance(m, block_class)]
+    handles = [b.register_forward_pre_hook(enter, with_kwargs=True) for b in blocks]
+    handles += [b.register_forward_hook(leave) for b in blocks]
+    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation("eager" if attention in SCORE_KEEPING else "sdpa")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention(attention):
+            model.train()(input_ids=ids, labels=ids)
+    finally:
+        model.set_attn_implementation(previous)
+        for h in handles:
+            h.remove()
+    inside = [b for b in per_block if b is not None]
+    everything = {k: v for part in (outside, *inside) for k, v in part.items()}
+    return (sum(everything.values()), sum({**outside, **block_inputs}.values()),
+            max((sum(b.values()) for b in inside), default=0))
+
+
+@contextmanager
+def _fused_attention(attention: str) -> Iterator[None]:
+    if attention in SCORE_KEEPING:
+        yield
+        return
+    with _FlashOnMeta():
+        yield
+
+
+class _FlashOnMeta(TorchFunctionMode):
+    """Route SDPA to torch's flash kernel, which has a meta implementation and keeps what flash keeps
+    (grouped key / value heads as given: the meta kernel takes them, as flash and SDPA's GQA do)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        query, key, value = args[:3]
+        attn_mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+            attn_mask=attn_mask, scale=kwargs.get("scale"))
+        return out
