@@ -71,7 +71,7 @@ def save_hf_folder(out: Path, layout: Any, tokenizer: Any, write_extra: Callable
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from hftk.export import check_complete, shapes_of
+    from hftk.hf_folder import check_complete, shapes_of
     from hftk.strategies.tp_plans import to_hf_state_dict
 
     full = get_model_state_dict(layout.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -295,7 +295,7 @@ def save_final(trainer: Any, out_dir: Path) -> None:
     """The Trainer gathers ZeRO-3 partitions (16-bit gather flag on); then prove the folder complete."""
     trainer.save_model(str(out_dir))
     if trainer.args.should_save:
-        from hftk.export import check_complete, shapes_of
+        from hftk.hf_folder import check_complete, shapes_of
 
         check_complete(out_dir, shapes_of(trainer.model))
     if dist.is_initialized():

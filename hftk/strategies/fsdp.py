@@ -198,7 +198,7 @@ def save_full_model(trainer: Any, out_dir: Path, original_format: bool = True) -
     """
     state = full_model_state_dict(trainer.model)
     if trainer.args.should_save:
-        from hftk.export import check_complete, shapes_of
+        from hftk.hf_folder import check_complete, shapes_of
 
         out_dir.mkdir(parents=True, exist_ok=True)
         trainer.model.save_pretrained(out_dir, state_dict=state, is_main_process=True,

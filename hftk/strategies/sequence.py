@@ -41,7 +41,7 @@ BUCKET_BYTES = 25 * 2**20
 
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Degrees, attention kernel, sequence and head divisibility, supported options; before any process group."""
-    from hftk.engine.mesh_loop import check_training_options
+    from hftk.strategies.mesh import check_training_options
     from hftk.modeling import load_model_config
 
     s = cfg.strategy
@@ -137,7 +137,7 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hftk.engine.mesh_loop import MeshLayout
+    from hftk.strategies.mesh import MeshLayout
 
     sp = cfg.strategy.sp_size
     mesh = init_device_mesh(device_type, (dist.get_world_size() // sp, sp), mesh_dim_names=("dp", "sp"))
@@ -166,7 +166,7 @@ def estimate_memory(shape: Any, inputs: Any, sp: int) -> Any:
     is the transient. Each rank keeps ``s / sp`` tokens of every activation and attends over the
     whole sequence for ``a / sp`` heads, so per layer ``b s h (34 + 5 a s / h) / sp``.
     """
-    from hftk.plan import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
+    from hftk.plan_types import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
 
     w = DTYPE_BYTES[inputs.dtype]
     b, s, h = inputs.micro_batch, inputs.seq_len, shape.hidden

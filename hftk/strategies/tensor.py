@@ -65,7 +65,7 @@ def mesh_shape(cfg: RunConfig, world_size: int) -> tuple[int, int, int, int]:
 
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Mesh sizes, model plan and divisibility, and the options this layout supports, before any process group."""
-    from hftk.engine.mesh_loop import check_training_options, device_type
+    from hftk.strategies.mesh import check_training_options, device_type
     from hftk.modeling import load_model_config
     from hftk.strategies import tp_plans
 
@@ -112,7 +112,7 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from hftk.engine.mesh_loop import MeshLayout
+    from hftk.strategies.mesh import MeshLayout
     from hftk.strategies import context
     from hftk.strategies.tp_plans import apply_tensor_parallel
 
@@ -157,7 +157,7 @@ def estimate_memory(shape: Any, inputs: Any, tp: int, replicated: int, cp: int =
     becomes a neighbour's K/V block ``2 / t`` (the ring's kernels keep no scores); the logits are
     vocabulary-sharded.
     """
-    from hftk.plan import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
+    from hftk.plan_types import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
 
     data = max(inputs.world_size // tp, 1)
     w = DTYPE_BYTES[inputs.dtype]
@@ -187,7 +187,7 @@ def plan_rows(model_config: Any, shape: Any, inputs: Any, tp_size: int, sp_size:
     Which layout suits a model is a question of interconnect and sequence length, not only of
     memory, so these rows inform and the pick stays among the data-parallel strategies.
     """
-    from hftk.plan import HEADROOM
+    from hftk.plan_types import HEADROOM
     from hftk.strategies import sequence, tp_plans
 
     for name, degree in (("--tp_size", tp_size), ("--sp_size", sp_size), ("--cp_size", cp_size),
