@@ -19,7 +19,8 @@ import torch
 from hftk import lora, mesh_checkpoint
 from hftk.checkpoint import list_checkpoints
 from hftk.errors import HftkError
-from hftk.hf_folder import check_complete, has_safetensors, model_from, safetensors_state_dict, shapes_of, write_atomically
+from hftk.hf_folder import (check_complete, has_safetensors, model_from, safetensors_state_dict, shapes_of,
+                            write_atomically)
 from hftk.strategies import deepspeed as zero
 from hftk.strategies import fsdp
 from hftk.strategies import pipeline

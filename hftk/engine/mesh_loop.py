@@ -404,11 +404,9 @@ def run(prepared: PreparedRun) -> dict[str, float]:
     args = loop_args(cfg, max_steps)
 
     def record(step: int, metrics: dict[str, float]) -> dict[str, Any]:
-        out = hub.run_record(cfg, args, dist.get_world_size(), prepared.data_format, step, metrics)
-        out["hyperparameters"]["global_batch_size"] = global_batch  # data-parallel ranks only
-        return out
+        return hub.run_record(cfg, args, dist.get_world_size(), prepared.data_format, step, metrics, layout.data_size)
 
-    pusher = hub.RunPusher(cfg, args, dist.get_world_size(), prepared.data_format, reporter.path) \
+    pusher = hub.RunPusher(cfg, args, dist.get_world_size(), prepared.data_format, reporter.path, layout.data_size) \
         if main and t.get("push_to_hub") else None
     step = 0
     resume = resolve_resume(cfg.output_dir, t.get("resume_from_checkpoint"))
