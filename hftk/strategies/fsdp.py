@@ -96,25 +96,32 @@ def device_mesh(cfg: RunConfig) -> Any:
     return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
 
 
-def prepare_model(model: Any, cfg: RunConfig) -> Any:
-    """``fully_shard`` each decoder block, then the root; returns the same (now sharded) model."""
+def apply_fsdp(model: Any, blocks: list[Any], mesh: Any, reshard_after_forward: bool, bf16: bool = False,
+               cpu_offload: bool = False) -> None:
+    """FSDP2 the way every hftk layout uses it: ``fully_shard`` each decoder block (one gather unit
+    each), then the root (embeddings, final norm, head); strategy fsdp and tp / cp's data-parallel
+    dimensions. ``bf16``: bf16 compute with fp32 gradient reduction (the mesh loop autocasts instead)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = device_mesh(cfg)
     options = {
         "mesh": mesh,
-        "reshard_after_forward": cfg.strategy.fsdp_reshard_after_forward,
+        "reshard_after_forward": reshard_after_forward,
         "mp_policy": (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                      if cfg.training.get("bf16") else MixedPrecisionPolicy()),
+                      if bf16 else MixedPrecisionPolicy()),
         # Pinned host memory needs an accelerator; on a CPU-only run the shards live in RAM anyway.
-        "offload_policy": (CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cfg.strategy.fsdp_cpu_offload
-                           else OffloadPolicy()),
+        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy(),
     }
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+
+
+def prepare_model(model: Any, cfg: RunConfig) -> Any:
+    """``fully_shard`` each decoder block, then the root; returns the same (now sharded) model."""
     tied = _tied_aliases(model)
     block = decoder_block_class(model)
-    for module in [m for m in model.modules() if isinstance(m, block)]:
-        fully_shard(module, **options)
-    fully_shard(model, **options)
+    apply_fsdp(model, [m for m in model.modules() if isinstance(m, block)], device_mesh(cfg),
+               cfg.strategy.fsdp_reshard_after_forward, bool(cfg.training.get("bf16")), cfg.strategy.fsdp_cpu_offload)
     if _tied_aliases(model) != tied:  # e.g. a family whose tied head lives inside a block
         raise HftkError("model.model_name_or_path", f"sharding split the tied weights {sorted(tied)} into separate "
                         "parameters, which would train apart.", "report this model family; train it with ddp meanwhile.")

@@ -41,8 +41,8 @@ BUCKET_BYTES = 25 * 2**20
 
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Degrees, attention kernel, sequence and head divisibility, supported options; before any process group."""
-    from hftk.strategies.mesh import check_training_options
     from hftk.modeling import load_model_config
+    from hftk.strategies.mesh import check_training_options
 
     s = cfg.strategy
     if s.sp_size < 1 or world_size % s.sp_size:
