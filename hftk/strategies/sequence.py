@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
+from hftk.comm.collectives import BUCKET_BYTES, all_reduce_flat
 from hftk.config import RunConfig
 from hftk.errors import HftkError
 from hftk.support import check_family, check_lora
 
 ENGINE = "mesh_loop"
 ATTENTION = "sdpa"
-BUCKET_BYTES = 25 * 2**20
 
 
 def validate(cfg: RunConfig, world_size: int) -> None:
@@ -113,25 +113,6 @@ def sequence_slice(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict
     return {k: v[:, cut] for k, v in batch.items() if k != "attention_mask"}
 
 
-def all_reduce_grads(model: torch.nn.Module, group: Any) -> None:
-    """Sum every gradient over ``group`` in flat buckets (each rank holds its tokens' share only)."""
-    import torch.distributed as dist
-
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for grad in grads + [None]:
-        if grad is not None:
-            bucket.append(grad)
-            size += grad.numel() * grad.element_size()
-        if bucket and (grad is None or size >= BUCKET_BYTES):
-            flat = torch.cat([g.flatten() for g in bucket])
-            dist.all_reduce(flat, group=group)
-            for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
-                g.copy_(part.view_as(g))
-            bucket, size = [], 0
-
-
 def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     """Build the ``(dp, sp)`` mesh, register Ulysses, and say how the loop feeds and combines the ranks."""
     import torch.distributed as dist
@@ -155,7 +136,8 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
         describe={"strategy": "sp", "sp_size": sp, "dp_size": mesh["dp"].size(), "family": model.config.model_type,
                   "attention": ATTENTION},
         shard_batch=lambda batch: sequence_slice(batch, sp_rank, sp),
-        reduce_grads=lambda: all_reduce_grads(model, world) if dist.get_world_size() > 1 else None,
+        reduce_grads=lambda: (all_reduce_flat([p.grad for p in model.parameters() if p.grad is not None], world)
+                              if dist.get_world_size() > 1 else None),
     )
 
 
