@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from hftk.comm.accounting import CommStats, _union_length, wire_bytes
+from hftk.comm.accounting import CommStats, union_length, wire_bytes
 from hftk.comm.register import load_state, state_path
 from hftk.config import load_config
 from hftk.errors import HftkError
@@ -230,7 +230,7 @@ def test_wire_bytes_model():
 
 
 def test_comm_time_counts_overlapping_collectives_once():
-    assert _union_length([[0.0, 2.0], [1.0, 3.0], [5.0, 6.0]]) == pytest.approx(4.0)
+    assert union_length([[0.0, 2.0], [1.0, 3.0], [5.0, 6.0]]) == pytest.approx(4.0)
     stats = CommStats(world_size=2)
     stats.begin_hook(0, 400)
     interval = stats.issued("all_reduce", 200, 2)
