@@ -188,7 +188,7 @@ def inputs_from_config(cfg: Any, world_size: int, budget: int) -> PlanInputs:
     on_gpu = torch.cuda.is_available() and not t.get("use_cpu")
     return PlanInputs(
         world_size=world_size, device_memory_bytes=budget, seq_len=cfg.data.block_size,
-        micro_batch=t.get("per_device_train_batch_size", 8), dtype=cfg.model.model_dtype,
+        micro_batch=cfg.args.per_device_train_batch_size, dtype=cfg.model.model_dtype,
         mixed_precision="bf16" if t.get("bf16") else "fp16" if t.get("fp16") else "no",
         gradient_checkpointing=bool(t.get("gradient_checkpointing")), device="gpu" if on_gpu else "cpu",
     )

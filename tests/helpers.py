@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hftk.bench.launch import free_port, torchrun_command
+from hftk.bench.launch import free_port, torchrun_command  # noqa: F401 (free_port: for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 FINETUNE = ROOT / "scripts" / "finetune.py"

@@ -55,7 +55,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     """Every pipeline-specific mistake, named, before any process starts training."""
     from hftk.modeling import load_model_config
 
-    s, t = cfg.strategy, cfg.training
+    s = cfg.strategy
     if s.pp_size < 2:
         raise HftkError("strategy.pp_size", f"pipeline needs at least 2 stages, got {s.pp_size}.",
                         "set --pp_size 2 or more (or use --strategy ddp for one stage).")
@@ -63,7 +63,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise HftkError("strategy.pp_size", f"the world size {world_size} is not a multiple of pp_size {s.pp_size}.",
                         f"launch a multiple of {s.pp_size} processes (pp_size x data-parallel replicas).")
     _refuse_combinations(cfg)
-    batch = t.get("per_device_train_batch_size", 8)
+    batch = cfg.args.per_device_train_batch_size
     m = s.pp_microbatches
     if m < 1 or batch % m:
         raise HftkError("strategy.pp_microbatches", f"{m} micro-batches do not divide the per-replica batch of {batch}.",
