@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -42,18 +42,22 @@ def _safetensors_files(path: Path) -> list[Path]:
     return [path / SAFE_WEIGHTS]
 
 
-def write_atomically(out: Path, write: Callable[[Path], str]) -> str:
-    """``write`` fills a temporary sibling of ``out``, renamed to ``out`` once complete; returns what it returns."""
+T = TypeVar("T")
+
+
+def write_atomically(out: Path, write: Callable[[Path], T]) -> T:
+    """``write`` fills a temporary sibling of ``out``, renamed to ``out`` (absent or empty) once complete;
+    returns what it returns. ``out`` is never half-written: exports, preprocessed data."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        kind = write(tmp)
+        result = write(tmp)
         if out.exists():
             out.rmdir()
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return kind
+    return result
 
 
 def model_from(checkpoint: Path, state: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from hftk.config import RunConfig
 from hftk.data import TokenizedData, describe, tokenized
 from hftk.errors import HftkError
+from hftk.hf_folder import write_atomically
 
 FINGERPRINT_FILE = "hftk_tokenized.json"
 
@@ -53,16 +52,13 @@ def save(path: Path, data: TokenizedData, fp: dict[str, Any]) -> dict[str, Any]:
     summary = {name: {"blocks": len(ds), "tokens": int(sum(sum(m) for m in ds["attention_mask"])),
                       "labelled_tokens": int(sum(sum(x != -100 for x in lab) for lab in ds["labels"]))}
                for name, ds in splits.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         datasets.DatasetDict(splits).save_to_disk(str(tmp))
         (tmp / FINGERPRINT_FILE).write_text(json.dumps({"fingerprint": fp, "data_format": data.data_format,
                                                         "summary": summary}, indent=1, sort_keys=True))
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_atomically(path, write)
     return summary
 
 
