@@ -64,6 +64,8 @@ def export(checkpoint: Path, out: Path, merge: bool = False, base_model: str | N
     the adapter folder, or with ``merge`` as the base model with the adapter merged into it.
     Written into a temporary sibling and renamed, so ``out`` is either complete or absent.
     """
+    from transformers import AutoConfig
+
     checkpoint, out = Path(checkpoint), Path(out)
     if out.exists() and any(out.iterdir()):
         raise HftkError("OUT", f"'{out}' exists and is not empty.", "choose a new output folder.")
@@ -77,7 +79,7 @@ def export(checkpoint: Path, out: Path, merge: bool = False, base_model: str | N
         if not (checkpoint / needed).is_file():
             raise HftkError("CHECKPOINT", f"'{checkpoint}' has no {needed}: the model cannot be rebuilt.",
                             "pass a checkpoint written by the Trainer (it saves the config beside the weights).")
-    model = model_from(checkpoint, kind.state_dict(checkpoint))
+    model = model_from(AutoConfig.from_pretrained(checkpoint), kind.state_dict(checkpoint), checkpoint)
     tokenizer = _tokenizer_from(checkpoint)
 
     def write(tmp: Path) -> str:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -60,21 +61,38 @@ def write_atomically(out: Path, write: Callable[[Path], T]) -> T:
     return result
 
 
-def model_from(checkpoint: Path, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The checkpoint's architecture holding ``state``; built on the meta device (no random init)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def model_from(config: Any, state: dict[str, torch.Tensor], source: Path) -> torch.nn.Module:
+    """``config``'s architecture (the family's own class) holding ``state`` read from ``source``; built on
+    the meta device (no random init), tied weights re-tied."""
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(checkpoint)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     still_missing = [name for name, p in model.named_parameters() if p.is_meta]
     if unexpected or still_missing:
-        raise HftkError("CHECKPOINT", f"'{checkpoint}' does not match its config.json: missing "
+        raise HftkError("CHECKPOINT", f"'{source}' does not match its config.json: missing "
                         f"{still_missing[:5]}, unexpected {unexpected[:5]}.",
                         "pass the checkpoint folder the Trainer wrote, unmodified.")
     return model
+
+
+def read_dcp_model(folder: Path) -> dict[str, torch.Tensor]:
+    """The whole model saved by ``dcp.save({"model": ...})`` in ``folder``, read from every rank's shard
+    files in this one process (no process group): empty tensors of the recorded shapes and dtypes,
+    filled by ``dcp.load(no_dist=True)``. Keys as the model names them (the ``model.`` prefix dropped)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(folder))
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in reader.read_metadata().state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": exactly the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {key.removeprefix("model."): tensor for key, tensor in state.items()}
 
 
 def shapes_of(model: torch.nn.Module) -> Shapes:

@@ -19,7 +19,6 @@ crashes on its DTensor parameters. One path serves CPU (gloo) and GPU (NCCL) ali
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -300,22 +299,10 @@ def is_fsdp_checkpoint(path: Path) -> bool:
 
 
 def fsdp_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """The whole model from every rank's DCP shards, read in this one process (no process group).
+    """The whole model from every rank's DCP shards, read in this one process (no process group)."""
+    from hftk.hf_folder import read_dcp_model
 
-    Empty tensors of the recorded shapes and dtypes are allocated from the checkpoint's
-    metadata, then ``dcp.load(no_dist=True)`` fills them from all shard files.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(path / SHARDED_MODEL_DIR))
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in reader.read_metadata().state_dict_metadata.items()
-             if isinstance(meta, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": exactly the intent
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    return {key.removeprefix("model."): tensor for key, tensor in state.items()}
+    return read_dcp_model(path / SHARDED_MODEL_DIR)
 
 
 class FSDPTrainer(Trainer):
