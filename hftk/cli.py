@@ -17,7 +17,7 @@ COMMANDS = {
     "train": ("Fine-tune in this process, or under a launcher (same options as scripts/finetune.py).",
               "hftk.run:main"),
     "preprocess": ("Tokenise, template, mask and pack the run's data once (save_to_disk); train with --tokenized_path.",
-                   "hftk.preprocess:preprocess_command"),
+                   "hftk.run:preprocess_command"),
     "push": ("Push a final folder or a checkpoint to the Hub with a generated model card.", "hftk.hub:push_command"),
     "configs": ("Write the accelerate launch configs and DeepSpeed JSON of every strategy.",
                 "hftk.launch:configs_command"),

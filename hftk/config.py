@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import yaml
@@ -274,6 +276,14 @@ class RunConfig:
     def output_dir(self) -> Path:
         return Path(self.training["output_dir"])
 
+    @functools.cached_property
+    def args(self) -> SimpleNamespace:
+        """The training options resolved once, as attributes named like ``TrainingArguments``'
+        (``cfg.args.logging_steps``): what the run set, else hftk's ``TRAINING_DEFAULTS``, else
+        TrainingArguments' own default. Read options here rather than ``cfg.training.get(key, default)``:
+        a call-site default can only disagree with these."""
+        return SimpleNamespace(**{**training_defaults(), **self.training})
+
     def to_dict(self) -> dict[str, Any]:
         """The YAML form of this config (what ``--config`` accepts)."""
         sections = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -367,6 +377,12 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
     for key in TRAINING_DEFAULTS:
         training[key] = values[key]
     return RunConfig(**sections, training=training)
+
+
+def training_defaults() -> dict[str, Any]:
+    """Every TrainingArguments option's value in a run that does not set it (None where the field has no default)."""
+    own = {name: _field_default(f) for name, f in _training_fields().items()}
+    return {**{k: None if v is dataclasses.MISSING else v for k, v in own.items()}, **TRAINING_DEFAULTS}
 
 
 def _field_default(f: dataclasses.Field) -> Any:

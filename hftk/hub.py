@@ -81,14 +81,21 @@ HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "per_de
 
 
 def run_record(cfg: Any, args: Any, world_size: int, data_format: str, step: int,
-               metrics: dict[str, float] | None = None) -> dict[str, Any]:
-    """What the model card is generated from (the Trainer's effective values, not just what was typed)."""
+               metrics: dict[str, float] | None = None, data_parallel_size: int | None = None) -> dict[str, Any]:
+    """What the model card is generated from (the Trainer's effective values, not just what was typed).
+
+    ``world_size`` counts processes; ``data_parallel_size`` (default: all of them) the replicas that
+    read different samples, which is what the global batch multiplies (pipeline stages and tp / cp /
+    sp ranks of one replica read the same ones).
+    """
+    replicas = world_size if data_parallel_size is None else data_parallel_size
     hyper = {k: getattr(getattr(args, k), "value", getattr(args, k)) for k in HYPERPARAMETERS}
-    hyper["global_batch_size"] = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    hyper["global_batch_size"] = args.per_device_train_batch_size * args.gradient_accumulation_steps * replicas
     hyper["block_size"] = cfg.data.block_size
     if cfg.model.lora_r:
         hyper.update(lora_r=cfg.model.lora_r, lora_alpha=cfg.model.lora_alpha, lora_dropout=cfg.model.lora_dropout)
-    return {"hftk_version": __version__, "config": cfg.to_dict(), "world_size": world_size, "data_format": data_format,
+    return {"hftk_version": __version__, "config": cfg.to_dict(), "world_size": world_size,
+            "data_parallel_size": replicas, "data_format": data_format,
             "datasets": describe_datasets(cfg.data), "hyperparameters": hyper, "global_step": step,
             "metrics": dict(metrics or {})}
 
@@ -157,7 +164,9 @@ def model_card(record: dict[str, Any], repo_id: str | None) -> str:
         f"block size: {data['block_size']} tokens"
         + (f", first {data['max_train_samples']} rows" if data.get("max_train_samples") else ""), "",
         "## Training procedure", "",
-        f"- strategy: **{strategy['strategy']}** over {world} process(es)",
+        f"- strategy: **{strategy['strategy']}** over {world} process(es)"
+        + (f", {record['data_parallel_size']} data-parallel replica(s)"
+           if record.get("data_parallel_size", world) != world else ""),
         f"- optimizer steps: {record['global_step']}", "",
         "| hyperparameter | value |", "|---|---|",
         *[f"| {k} | {v} |" for k, v in hyper.items()], "",
@@ -296,8 +305,10 @@ def has_weights(folder: Path) -> bool:
 class RunPusher:
     """Pushes one training run: checkpoints as they are published (per hub_strategy), then the final folder."""
 
-    def __init__(self, cfg: Any, args: Any, world_size: int, data_format: str, metrics_path: Path) -> None:
+    def __init__(self, cfg: Any, args: Any, world_size: int, data_format: str, metrics_path: Path,
+                 data_parallel_size: int | None = None) -> None:
         self.cfg, self.args, self.world_size, self.data_format = cfg, args, world_size, data_format
+        self.data_parallel_size = data_parallel_size
         self.repo_id: str = args.hub_model_id
         self.strategy = getattr(args.hub_strategy, "value", args.hub_strategy)
         self.uploads = Path(args.output_dir) / UPLOAD_DIR
@@ -356,7 +367,8 @@ class RunPusher:
                            supersede=self.strategy != "all_checkpoints")
 
     def _record(self, step: int, metrics: dict[str, float]) -> dict[str, Any]:
-        return run_record(self.cfg, self.args, self.world_size, self.data_format, step, metrics)
+        return run_record(self.cfg, self.args, self.world_size, self.data_format, step, metrics,
+                          self.data_parallel_size)
 
     def push_final(self, final: Path, step: int) -> dict[str, Any]:
         """Push the final folder (it already holds the card) after any queued checkpoint; wait for it."""

@@ -323,7 +323,7 @@ def export_adapter(checkpoint: Path, out: Path, merge: bool, base: str | None = 
     """
     from transformers import AutoTokenizer
 
-    from hftk.export import check_complete, shapes_of
+    from hftk.hf_folder import check_complete, shapes_of
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     if merge:

@@ -71,28 +71,17 @@ def save_hf_folder(out: Path, layout: Any, tokenizer: Any, write_extra: Callable
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from hftk.export import check_complete, shapes_of
+    from hftk.hf_folder import check_complete, model_from, shapes_of
     from hftk.strategies.tp_plans import to_hf_state_dict
 
     full = get_model_state_dict(layout.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     with staged_folder(Path(out), publisher=_rank() == 0) as folder:
         if _rank() == 0:
-            model = hf_model(layout.model.config, to_hf_state_dict(full))
+            model = model_from(layout.model.config, to_hf_state_dict(full), Path(out))
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
             check_complete(folder, shapes_of(model))
             write_extra(folder)
-
-
-def hf_model(config: Any, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The family's own model class holding ``state`` (built on the meta device: no random init)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.tie_weights()
-    return model
 
 
 def is_mesh_checkpoint(folder: Path) -> bool:
@@ -101,16 +90,7 @@ def is_mesh_checkpoint(folder: Path) -> bool:
 
 def export_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     """Full model tensors of a mesh checkpoint, read on one process, in the family's own names and shapes."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+    from hftk.hf_folder import read_dcp_model
     from hftk.strategies.tp_plans import to_hf_state_dict
 
-    reader = FileSystemReader(str(Path(folder) / DCP_DIR))
-    metadata = reader.read_metadata().state_dict_metadata
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in metadata.items()
-             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    model_state = {key.removeprefix("model."): value for key, value in state.items()}
-    return to_hf_state_dict(model_state)
+    return to_hf_state_dict(read_dcp_model(Path(folder) / DCP_DIR))

@@ -31,80 +31,17 @@ import copy
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
 from typing import Any
 
-from hftk.activations import SavedActivations, profile, trace_key
+from hftk.activations import profile, trace_key
 from hftk.errors import HftkError
+from hftk.plan_types import (DTYPE_BYTES, GIB, HEADROOM, MIB, RUNTIME_BYTES, ModelShape, PlanInputs,
+                              StrategyPlan)
 from hftk.strategies.deepspeed import MAX_LIVE_PARAMETERS, SUB_GROUP_SIZE
 
 # Least sharding first: ``auto`` takes the first that fits.
 PLAN_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload")
-HEADROOM = 0.2  # auto keeps this fraction of the budget free for what an estimate misses
-GIB = 1024**3
-MIB = 1024**2
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Measured per-rank footprint before any model exists: torch + transformers (+ deepspeed) and the
-# process group on CPU (RSS); the CUDA context and allocator on a GPU.
-RUNTIME_BYTES = {"cpu": 500 * MIB, "gpu": 600 * MIB}
 DEEPSPEED_RUNTIME_BYTES = {"cpu": 50 * MIB, "gpu": 0}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the plan needs from a model, read from its meta-device instance."""
-
-    params: int  # distinct parameters (tied weights once)
-    trainable: int
-    trainable_tensors: int
-    hidden: int
-    layers: int
-    heads: int
-    vocab: int
-    largest_block: int  # parameters of the biggest decoder block: FSDP's / ZeRO-3's gather unit
-    outside_blocks: int  # embeddings, final norm, LM head: FSDP's root unit
-    persistent: int  # parameters ZeRO-3 keeps whole on every rank (numel <= 10 h)
-    saved: dict[str, SavedActivations]  # what backward keeps, per activations.trace_key (meta-device traces)
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    world_size: int
-    device_memory_bytes: int
-    seq_len: int = 128
-    micro_batch: int = 8
-    dtype: str = "float32"  # the dtype the weights are loaded in
-    mixed_precision: str = "no"  # "bf16" / "fp16" (training.bf16 / training.fp16)
-    gradient_checkpointing: bool = False
-    attention: str = "sdpa"  # model.attn_implementation (transformers' default for these families: sdpa)
-    device: str = "gpu"  # "cpu": host memory is the device (offload moves nothing off it)
-
-
-@dataclass
-class StrategyPlan:
-    """Per-rank bytes of one strategy."""
-
-    strategy: str
-    params: int
-    grads: int
-    optimizer: int
-    transient: int
-    activations: int
-    runtime: int
-    offloaded: int  # model state held in host memory instead of the device
-    fits: bool = False
-
-    @property
-    def model_state(self) -> int:
-        return self.params + self.grads + self.optimizer
-
-    @property
-    def device_total(self) -> int:
-        """Predicted peak on one device (on CPU: the process's peak RSS)."""
-        return self.model_state - self.offloaded + self.transient + self.activations + self.runtime
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "model_state": self.model_state, "device_total": self.device_total}
 
 
 # ---- the model's shape, without weights ----
@@ -262,7 +199,7 @@ def inputs_from_config(cfg: Any, world_size: int, budget: int) -> PlanInputs:
     on_gpu = torch.cuda.is_available() and not t.get("use_cpu")
     return PlanInputs(
         world_size=world_size, device_memory_bytes=budget, seq_len=cfg.data.block_size,
-        micro_batch=t.get("per_device_train_batch_size", 8), dtype=cfg.model.model_dtype,
+        micro_batch=cfg.args.per_device_train_batch_size, dtype=cfg.model.model_dtype,
         mixed_precision="bf16" if t.get("bf16") else "fp16" if t.get("fp16") else "no",
         gradient_checkpointing=bool(t.get("gradient_checkpointing")), device="gpu" if on_gpu else "cpu",
         attention=cfg.model.attn_implementation or "sdpa",

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from hftk.config import RunConfig
 from hftk.data import TokenizedData, describe, tokenized
 from hftk.errors import HftkError
+from hftk.hf_folder import write_atomically
 
 FINGERPRINT_FILE = "hftk_tokenized.json"
 
@@ -53,16 +52,13 @@ def save(path: Path, data: TokenizedData, fp: dict[str, Any]) -> dict[str, Any]:
     summary = {name: {"blocks": len(ds), "tokens": int(sum(sum(m) for m in ds["attention_mask"])),
                       "labelled_tokens": int(sum(sum(x != -100 for x in lab) for lab in ds["labels"]))}
                for name, ds in splits.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         datasets.DatasetDict(splits).save_to_disk(str(tmp))
         (tmp / FINGERPRINT_FILE).write_text(json.dumps({"fingerprint": fp, "data_format": data.data_format,
                                                         "summary": summary}, indent=1, sort_keys=True))
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_atomically(path, write)
     return summary
 
 
@@ -84,30 +80,3 @@ def load(cfg: RunConfig, tokenizer: Any) -> TokenizedData:
                             "run hftk preprocess again with this run's config, or train with the config it was made with.")
     ds = datasets.load_from_disk(str(path))
     return tokenized(cfg.data, ds["train"], ds["eval"] if "eval" in ds else None, meta["data_format"])
-
-
-def preprocess_command(argv: list[str]) -> int:
-    """``hftk preprocess [--config run.yaml] --tokenized_path DIR [options]``: the run's data, once."""
-    from hftk.config import load_config
-    from hftk.data import tokenize_sources
-    from hftk.modeling import load_tokenizer
-    from hftk.run import prepare
-
-    if any(a in ("-h", "--help") for a in argv):
-        print("usage: hftk preprocess --config run.yaml --tokenized_path DIR [any `hftk train` option]\n\n"
-              + __doc__.strip())
-        return 0
-    target = load_config(argv).data.tokenized_path
-    if not target:
-        raise HftkError("data.tokenized_path", "hftk preprocess needs a folder to write.", "pass --tokenized_path DIR.")
-    if Path(target).exists():
-        raise HftkError("data.tokenized_path", f"'{target}' already exists.", "choose a new folder or delete it.")
-    prepared = prepare(argv, read_tokenized=False)
-    cfg = prepared.cfg
-    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
-    data = tokenize_sources(prepared.sources, tokenizer, cfg.training["seed"])
-    summary = save(Path(target), data, fingerprint(cfg, tokenizer))
-    parts = [f"{name}: {s['blocks']} blocks, {s['tokens']} tokens ({s['labelled_tokens']} labelled)"
-             for name, s in summary.items()]
-    print(f"hftk: preprocess: {data.data_format}; " + "; ".join(parts) + f" -> {target}", flush=True)
-    return 0

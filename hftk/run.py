@@ -106,3 +106,30 @@ def exit_without_teardown(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def preprocess_command(argv: list[str]) -> int:
+    """``hftk preprocess [--config run.yaml] --tokenized_path DIR [options]``: the run's data, once."""
+    from pathlib import Path
+
+    from hftk import preprocess
+    from hftk.data import tokenize_sources
+
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: hftk preprocess --config run.yaml --tokenized_path DIR [any `hftk train` option]\n\n"
+              + preprocess.__doc__.strip())
+        return 0
+    target = load_config(argv).data.tokenized_path
+    if not target:
+        raise HftkError("data.tokenized_path", "hftk preprocess needs a folder to write.", "pass --tokenized_path DIR.")
+    if Path(target).exists():
+        raise HftkError("data.tokenized_path", f"'{target}' already exists.", "choose a new folder or delete it.")
+    prepared = prepare(argv, read_tokenized=False)
+    cfg = prepared.cfg
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    data = tokenize_sources(prepared.sources, tokenizer, cfg.training["seed"])
+    summary = preprocess.save(Path(target), data, preprocess.fingerprint(cfg, tokenizer))
+    parts = [f"{name}: {s['blocks']} blocks, {s['tokens']} tokens ({s['labelled_tokens']} labelled)"
+             for name, s in summary.items()]
+    print(f"hftk: preprocess: {data.data_format}; " + "; ".join(parts) + f" -> {target}", flush=True)
+    return 0

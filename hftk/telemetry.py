@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from hftk.comm.accounting import union_length
 from hftk.memory import model_state_bytes
 from hftk.monitor import append_jsonl
 
@@ -135,17 +136,6 @@ def comm_intervals(events: Any) -> list[tuple[int, int]]:
         if (on_gpu and "nccl" in name.lower()) or (not on_gpu and name.startswith("gloo:")):
             spans.append((event.start_ns(), event.start_ns() + event.duration_ns()))
     return spans
-
-
-def union_seconds(spans: list[tuple[int, int]]) -> float:
-    """Length of the union of nanosecond intervals (overlapping buckets on several threads count once)."""
-    total, end = 0, -math.inf
-    for start, stop in sorted(spans):
-        if stop <= end:
-            continue
-        total += stop - max(start, end)
-        end = stop
-    return total / 1e9
 
 
 # ---- the monitor -------------------------------------------------------------------------------
@@ -267,7 +257,7 @@ class RankMonitor:
         start = (time.perf_counter(), time.process_time())
         profiler, profiled_wall = self._profiled
         events = profiler.profiler.kineto_results.events()
-        self.window.comm_share = union_seconds(comm_intervals(events)) / profiled_wall
+        self.window.comm_share = union_length(comm_intervals(events)) / 1e9 / profiled_wall
         self._profiled = None
         if self._last_end is not None:
             spent = (time.perf_counter() - start[0], time.process_time() - start[1])

@@ -29,17 +29,17 @@ def check_config(cfg: RunConfig) -> None:
     """Pure checks on option values and their combinations."""
     t, d, m = cfg.training, cfg.data, cfg.model
     positive = {
-        "training.per_device_train_batch_size": t.get("per_device_train_batch_size", 8),
-        "training.per_device_eval_batch_size": t.get("per_device_eval_batch_size", 8),
-        "training.gradient_accumulation_steps": t.get("gradient_accumulation_steps", 1),
+        "training.per_device_train_batch_size": cfg.args.per_device_train_batch_size,
+        "training.per_device_eval_batch_size": cfg.args.per_device_eval_batch_size,
+        "training.gradient_accumulation_steps": cfg.args.gradient_accumulation_steps,
         "data.block_size": d.block_size,
     }
     for name, value in positive.items():
         if not isinstance(value, int) or value <= 0:
             raise HftkError(name, f"must be a positive integer, got {value!r}.", f"set {name} to 1 or more.")
-    if not t.get("learning_rate", 1.0) > 0:
-        raise HftkError("training.learning_rate", f"must be > 0, got {t.get('learning_rate')}.", "set e.g. 5e-4.")
-    if t.get("max_steps", -1) <= 0 and t.get("num_train_epochs", 1) <= 0:
+    if not cfg.args.learning_rate > 0:
+        raise HftkError("training.learning_rate", f"must be > 0, got {cfg.args.learning_rate}.", "set e.g. 5e-4.")
+    if cfg.args.max_steps <= 0 and cfg.args.num_train_epochs <= 0:
         raise HftkError("training.num_train_epochs", "must be > 0 when max_steps is not set.",
                         "set training.num_train_epochs or training.max_steps.")
     if not 0 <= d.eval_fraction < 1:

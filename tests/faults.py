@@ -16,13 +16,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers import FINETUNE, ROOT, TINY_ARGS, Launch, free_port, require_ranks
+from tests.helpers import FINETUNE, ROOT, TINY_ARGS, Launch, free_port, require_ranks, torchrun_command
 from tests.hub_server import HubServer
 
 TOKEN = "hf_hftkTEST" + "x9Q2" * 6  # what the runs authenticate with; must never appear in any output
@@ -98,8 +97,7 @@ def start(nproc: int, args: list[str], output_dir: Path, max_restarts: int = 0, 
     rendezvous = ([f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
                    f"--rdzv-id={tag}"] if max_restarts else ["--master_addr=127.0.0.1", f"--master_port={free_port()}"])
     env = {**(env or {}), **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1", *rendezvous,
-           str(script), *args, "--output_dir", str(output_dir)]
+    cmd = torchrun_command(nproc, str(script), *args, "--output_dir", str(output_dir), rendezvous=rendezvous)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HFTK_TEST_LAUNCH": tag,
                 **env}
     logs = (output_dir.parent / f"{output_dir.name}.stdout", output_dir.parent / f"{output_dir.name}.stderr")

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hftk.bench.launch import free_port, torchrun_command  # noqa: F401 (free_port: for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 FINETUNE = ROOT / "scripts" / "finetune.py"
@@ -63,12 +64,6 @@ def cpu_only_cases(*cases: Any) -> list[Any]:
     return [] if torch.cuda.is_available() else list(cases)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None) -> Launch:
     """Run ``cmd`` in a new session; on timeout kill the whole process group and fail."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
@@ -89,9 +84,7 @@ def torchrun(nproc: int, script: Path | str, args: list[str], timeout: float = 3
     require_ranks(nproc * nnodes)
     if nproc == 1 and nnodes == 1 and not extra:
         return run([sys.executable, str(script), *args], timeout, env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", *(extra or []), str(script), *args]
-    return run(cmd, timeout, env)
+    return run(torchrun_command(nproc, *(extra or []), str(script), *args, nnodes=nnodes), timeout, env)
 
 
 def finetune(nproc: int, args: list[str], timeout: float = 300, env: dict[str, str] | None = None) -> Launch:

@@ -12,13 +12,12 @@ import contextlib
 import os
 import shutil
 import subprocess
-import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from tests.helpers import ROOT, free_port, require_ranks
+from tests.helpers import ROOT, free_port, require_ranks, torchrun_command
 
 SUBNET = "10.77.{n}.{host}"
 
@@ -89,10 +88,8 @@ def node_command(host: Host, main: Host, node_rank: int, nnodes: int, nproc: int
                  script: Path, args: list[str], extra: list[str] | None = None) -> list[str]:
     """torchrun for one node of a multi-node job (static rendezvous at ``main``)."""
     require_ranks(nnodes * nproc)  # the "nodes" share this host's devices
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
-           f"--node_rank={node_rank}", f"--master_addr={main.name if main.netns else main.address}",
-           f"--master_port={port}", *(extra or []), str(script), *args]
-    return host.wrap(cmd)
+    return host.wrap(torchrun_command(nproc, *(extra or []), str(script), *args, nnodes=nnodes, rendezvous=[
+        f"--node_rank={node_rank}", f"--master_addr={main.name if main.netns else main.address}", f"--master_port={port}"]))
 
 
 def run_on_two_hosts(script: Path, args: list[str], nproc: int, timeout: float = 420) -> list[str]:

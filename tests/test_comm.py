@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from hftk.comm.accounting import CommStats, _union_length, wire_bytes
+from hftk.comm.accounting import CommStats, union_length, wire_bytes
 from hftk.comm.register import load_state, state_path
 from hftk.config import load_config
 from hftk.errors import HftkError
@@ -230,7 +230,7 @@ def test_wire_bytes_model():
 
 
 def test_comm_time_counts_overlapping_collectives_once():
-    assert _union_length([[0.0, 2.0], [1.0, 3.0], [5.0, 6.0]]) == pytest.approx(4.0)
+    assert union_length([[0.0, 2.0], [1.0, 3.0], [5.0, 6.0]]) == pytest.approx(4.0)
     stats = CommStats(world_size=2)
     stats.begin_hook(0, 400)
     interval = stats.issued("all_reduce", 200, 2)
@@ -244,3 +244,22 @@ def test_comm_time_counts_overlapping_collectives_once():
     stats._intervals = []
     window = stats.pop_window()
     assert window["comm_compression_ratio"] == 2.0 and not math.isnan(window["comm_time_s"])
+
+
+def test_flat_all_reduce_fills_buckets_up_to_the_cap_and_writes_every_sum_back(monkeypatch):
+    """The pipeline's and sequence parallel's gradient reduction: a stand-in all-reduce doubles each flat
+    bucket (the sum over two equal ranks) and records its size."""
+    from hftk.comm import collectives
+
+    sizes = []
+
+    def all_reduce(flat, group=None):
+        sizes.append(flat.numel() * flat.element_size())
+        flat.mul_(2)
+
+    monkeypatch.setattr(collectives.dist, "all_reduce", all_reduce)
+    tensors = [torch.arange(n, dtype=torch.float32).reshape(-1, 1) + 1 for n in (3, 4, 10, 2, 2)]
+    before = [t.clone() for t in tensors]
+    collectives.all_reduce_flat(tensors, group=None, bucket_bytes=32)
+    assert sizes == [28, 40, 16]  # 3+4 floats; 10 floats alone (over the cap); 2+2
+    assert all(torch.equal(t, 2 * b) for t, b in zip(tensors, before))

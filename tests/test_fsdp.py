@@ -186,3 +186,15 @@ def test_bad_combination_is_one_clear_line(case_id, args, env, field, tmp_path):
     assert "Fix:" in lines[0] and "Traceback" not in result.output
     assert not out.exists()
 
+
+
+def test_a_dcp_model_folder_is_read_whole_in_one_process(tmp_path):
+    """``hftk export``'s reader of fsdp and mesh checkpoints: the model entries only, named as the model names them."""
+    import torch.distributed.checkpoint as dcp
+
+    from hftk.hf_folder import read_dcp_model
+
+    model = {"model.layers.0.weight": torch.randn(4, 3), "lm_head.weight": torch.randn(5, 3)}  # llama-like names
+    dcp.save({"model": model, "optim": {"step": torch.tensor(3.0)}}, checkpoint_id=tmp_path, no_dist=True)
+    got = read_dcp_model(tmp_path)
+    assert sorted(got) == sorted(model) and all(torch.equal(got[k], v) for k, v in model.items())

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (FINETUNE, TINY_ARGS, finetune, free_port, load_weights, losses, max_weight_diff, metrics,
-                           require_ranks)
+                           require_ranks, torchrun_command)
 from tests.netns import run_on_two_hosts, two_hosts
 
 pytestmark = pytest.mark.slow
@@ -81,10 +81,11 @@ FAULT_ARGS = [*TINY_ARGS, "--max_train_samples", "200", "--max_steps", str(FAULT
 def _elastic_node_cmd(host, main, port: int, args: list[str]) -> list[str]:
     """torchrun on one host: c10d rendezvous at ``main``, one restart allowed (what the SLURM script runs)."""
     require_ranks(2)
-    return host.wrap([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                      "--rdzv-backend=c10d", f"--rdzv-endpoint={main.name if main.netns else main.address}:{port}",
-                      "--rdzv-id=hftk-node-fault", f"--rdzv-conf=join_timeout={JOIN_TIMEOUT}", "--max-restarts=1",
-                      "--monitor-interval=1", str(FINETUNE), *args])
+    return host.wrap(torchrun_command(
+        1, str(FINETUNE), *args, nnodes=2,
+        rendezvous=["--rdzv-backend=c10d", f"--rdzv-endpoint={main.name if main.netns else main.address}:{port}",
+                    "--rdzv-id=hftk-node-fault", f"--rdzv-conf=join_timeout={JOIN_TIMEOUT}", "--max-restarts=1",
+                    "--monitor-interval=1"]))
 
 
 def _pids_of(tag: str, workers_only: bool) -> list[int]:

@@ -126,6 +126,22 @@ def test_resume_from_checkpoint_is_exact(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("folder,processes,replicas", [("gpt2-gpipe", 2, 1), ("gpt2-dp", 4, 2)])
+def test_run_record_and_card_count_processes_and_replicas(runs, folder, processes, replicas):
+    """2 stages on 2 processes is one replica over 2 processes (it was recorded as 1 process); the
+    global batch counts replicas only."""
+    from hftk.hub import CARD_FILE, RUN_FILE
+
+    final = runs / folder / "final"
+    record = json.loads((final / RUN_FILE).read_text())
+    assert (record["world_size"], record["data_parallel_size"]) == (processes, replicas)
+    hyper = record["hyperparameters"]
+    assert hyper["global_batch_size"] == hyper["per_device_train_batch_size"] * replicas
+    card = (final / CARD_FILE).read_text()
+    assert f"**pipeline** over {processes} process(es), {replicas} data-parallel replica(s)" in card
+
+
+@pytest.mark.slow
 def test_export_reloads_with_reference_eval_loss(runs, tmp_path):
     """`hftk export` of a per-stage checkpoint -> from_pretrained -> the Trainer's eval loss of the reference."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator

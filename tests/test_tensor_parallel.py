@@ -568,8 +568,10 @@ def test_a_nonfinite_gradient_drops_the_update_and_a_signal_is_agreed(one_rank_g
     cfg = load_config([*LLAMA, "--strategy", "tp", "--learning_rate", "1e-3"])
     layout = tensor.layout(AutoModelForCausalLM.from_pretrained(materialize_model("builtin:llama-tiny")), cfg, "cpu")
     model = layout.model
-    optimizer = mesh_loop.build_optimizer(model, cfg.training)
-    scheduler = mesh_loop.build_scheduler(optimizer, {"lr_scheduler_type": "linear", "warmup_steps": 0}, 10)
+    args = mesh_loop.loop_args(cfg)
+    args.lr_scheduler_type, args.warmup_steps = "linear", 0
+    optimizer = mesh_loop.build_optimizer(model, args)
+    scheduler = mesh_loop.build_scheduler(optimizer, args, 10)
     ids = torch.randint(0, 2048, (2, 16))
     batch = {"input_ids": ids, "position_ids": torch.arange(16).expand_as(ids),
              "shift_labels": F.pad(ids[:, 1:], (0, 1), value=-100)}

@@ -64,6 +64,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_command(nproc: int, *target: str, nnodes: int = 1, rendezvous: list[str] | None = None) -> list[str]:
+    """``python -m torch.distributed.run`` for ``target`` (launcher options, then a script or ``-m MODULE``,
+    then its arguments): static rendezvous on loopback at a free port unless ``rendezvous`` names
+    another (c10d with restarts, another host). The one torchrun command of the benches and the tests."""
+    where = ["--master_addr=127.0.0.1", f"--master_port={free_port()}"] if rendezvous is None else rendezvous
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}", *where,
+            *target]
+
+
 @dataclass
 class LaunchResult:
     ranks: list[dict[str, Any]]
@@ -81,8 +90,7 @@ def torchrun_module(nproc: int, module: str, args: list[str], work_dir: Path, ti
     (a hung teardown) is killed after a grace period instead of costing the whole timeout.
     """
     work_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", module, *args]
+    cmd = torchrun_command(nproc, "-m", module, *args)
     full_env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONUNBUFFERED": "1", **(env or {})}
     log_path = work_dir / "log.txt"

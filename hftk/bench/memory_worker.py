@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--memory_out")
         out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
         prepared = prepare(argv)
-        if prepared.cfg.training.get("max_steps", -1) < COUNTED_STEP:
+        if prepared.cfg.args.max_steps < COUNTED_STEP:
             raise HftkError("training.max_steps", f"the probe counts optimizer step {COUNTED_STEP} (the first creates "
                             "the optimizer state).", f"pass --max_steps {COUNTED_STEP} or more.")
         if getattr(strategies.get(prepared.cfg.strategy.strategy), "ENGINE", "trainer") == "mesh_loop":

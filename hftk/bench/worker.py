@@ -103,7 +103,7 @@ def run_hand_loop(argv: list[str]) -> dict[str, Any]:
     model.train()
     loader = DataLoader(data.train, batch_size=t["per_device_train_batch_size"], shuffle=True,
                         collate_fn=default_data_collator, drop_last=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t["learning_rate"], weight_decay=t.get("weight_decay", 0.0),
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t["learning_rate"], weight_decay=cfg.args.weight_decay,
                                   fused=True)
     max_steps = t["max_steps"]
     scheduler = get_scheduler(t["lr_scheduler_type"], optimizer, num_warmup_steps=t["warmup_steps"],

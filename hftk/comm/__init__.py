@@ -7,7 +7,3 @@
 - :mod:`hftk.comm.register`: validation, ``register_compression(ddp_model, cfg)``, checkpoint state;
 - :mod:`hftk.comm.callback`: the Trainer callback that wires it all into a run.
 """
-
-from hftk.comm.register import register_compression
-
-__all__ = ["register_compression"]

@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 
 def wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
@@ -123,14 +123,14 @@ class CommStats:
         """
         with self._lock:
             late = [[max(start, since), end] for start, end in self._intervals if math.isnan(end) or end > since]
-        return _union_length(late)
+        return union_length(_ended_now(late))
 
     def end_step(self) -> StepCounters:
         """Close the optimizer step: returns its counters and adds them to the logging window."""
         with self._lock:
             step = self.current
             step.buckets = len(self._bucket_ids)
-            step.comm_time_s = _union_length(self._intervals)
+            step.comm_time_s = union_length(_ended_now(self._intervals))
             self.current = StepCounters()
             self._intervals = []
             self._bucket_ids = set()
@@ -167,12 +167,18 @@ def log_fields(counters: StepCounters, steps: int = 1) -> dict[str, Any]:
     }
 
 
-def _union_length(intervals: list[list[float]]) -> float:
-    """Total length covered by ``[start, end]`` intervals (an unfinished one ends now)."""
-    now = time.perf_counter()
+def union_length(intervals: Iterable[Sequence[float]]) -> float:
+    """Total length covered by ``(start, end)`` intervals, overlaps counted once (collectives in
+    flight together here; gloo / NCCL events on several threads in :mod:`hftk.telemetry`)."""
     total, covered_until = 0.0, -math.inf
-    for start, end in sorted((start, now if math.isnan(end) else end) for start, end in intervals):
+    for start, end in sorted(tuple(i) for i in intervals):
         if end > covered_until:
             total += end - max(start, covered_until)
             covered_until = end
     return total
+
+
+def _ended_now(intervals: list[list[float]]) -> list[tuple[float, float]]:
+    """An interval still in flight (end NaN) ends now."""
+    now = time.perf_counter()
+    return [(start, now if math.isnan(end) else end) for start, end in intervals]

@@ -18,6 +18,31 @@ import torch.distributed as dist
 from hftk.comm.accounting import CommStats
 
 
+BUCKET_BYTES = 25 * 2**20  # flat all-reduce buckets: DDP's default bucket_cap_mb
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group: Any, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Sum ``tensors`` in place over ``group`` in flat buckets of at most ``bucket_bytes`` (a larger
+    tensor goes alone) instead of one call per tensor: the gradient reduction of the loops that
+    reduce by hand (pipeline replicas, sequence parallel)."""
+    start = 0
+    while start < len(tensors):
+        end, size = start, 0
+        while end < len(tensors) and (end == start or size + _nbytes(tensors[end]) <= bucket_bytes):
+            size += _nbytes(tensors[end])
+            end += 1
+        bucket = tensors[start:end]
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat, group=group)
+        for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+            t.copy_(part.view_as(t))
+        start = end
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def completed_future(value: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)

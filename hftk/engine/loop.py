@@ -512,9 +512,9 @@ def _finish(run: Run, pipeline: Any, start: float, start_step: int) -> dict[str,
 
 
 def _run_record(run: Run, step: int, metrics: dict[str, float] | None) -> dict[str, Any]:
-    """hftk.hub's run record; its world size counts data-parallel replicas (the global batch), not stages."""
+    """hftk.hub's run record: every process, and the data-parallel replicas the global batch counts."""
     p = run.prepared
-    return run_record(p.cfg, run.args, run.rt.topo.dp_size, p.data_format, step, metrics)
+    return run_record(p.cfg, run.args, p.world_size, p.data_format, step, metrics, run.rt.topo.dp_size)
 
 
 # ---------------------------------------------------------------------------------------------

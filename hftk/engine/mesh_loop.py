@@ -23,11 +23,10 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -45,76 +44,20 @@ from hftk.monitor import append_jsonl
 from hftk.resilience import (EXIT_NONFINITE, EXIT_PREEMPTED, EvaluationInterrupted, PreemptionSignal, agree,
                              nonfinite_gradients, preemptible, signal_name)
 from hftk.run_types import PreparedRun
+from hftk.strategies.mesh import MeshLayout, device_type
 from hftk.telemetry import RankMonitor, peak_memory_bytes
 
 FINAL_DIR = "final"
-# TrainingArguments fields the loop honours; anything else set explicitly is refused before launch.
-SUPPORTED_TRAINING = {
-    "output_dir", "overwrite_output_dir", "per_device_train_batch_size", "per_device_eval_batch_size",
-    "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-    "max_grad_norm", "lr_scheduler_type", "warmup_steps", "num_train_epochs", "max_steps", "logging_steps",
-    "eval_strategy", "eval_steps", "save_strategy", "save_steps", "save_total_limit", "seed", "resume_from_checkpoint",
-    "report_to", "ddp_timeout", "disable_tqdm", "optim", "use_cpu", "bf16", "gradient_checkpointing",
-    "activation_checkpointing",
-    "push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo",
-    # DDP / DataLoader options that have nothing to act on in this loop (set by hftk's defaults).
-    "ddp_find_unused_parameters", "dataloader_num_workers",
-}
-CHOICES = {
-    "eval_strategy": ("no", "steps"), "save_strategy": ("no", "steps"), "optim": ("adamw_torch", "adamw_torch_fused"),
-    "dataloader_num_workers": (0,),
-}
-REPORTERS = ("none", "tensorboard", "wandb")
-
-
-@dataclass
-class MeshLayout:
-    """What one strategy's layout tells the loop (built after the process group exists)."""
-
-    model: torch.nn.Module
-    data_rank: int  # which slice of each global batch this rank reads
-    data_size: int  # how many slices: the data-parallel degree
-    data_groups: list[Any]  # process groups whose ranks read different tokens: counts and losses are summed there
-    grad_scale: float  # loss multiplier so the strategy's gradient reduction yields the global mean
-    describe: dict[str, Any]  # mesh sizes and strategy facts, logged and saved with checkpoints
-    shard_batch: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda batch: batch
-    loss_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
-    reduce_grads: Callable[[], None] = lambda: None
-    autocast_dtype: torch.dtype | None = None  # training.bf16: forwards under autocast, fp32 weights and optimizer
-
-
-def check_training_options(cfg: Any, strategy: str) -> None:
-    """Refuse TrainingArguments the loop would otherwise ignore (no silent fallbacks).
-
-    An unsupported option that is switched off (False, None, "no") asks for nothing and passes.
-    """
-    for key, value in cfg.training.items():
-        if key not in SUPPORTED_TRAINING and value not in (False, None, "no", "none", "", [], 0):
-            raise HftkError(f"training.{key}", f"is not supported with strategy {strategy} (hftk's mesh loop).",
-                            f"remove it; supported: {', '.join(sorted(SUPPORTED_TRAINING))}.")
-        if key in CHOICES and value not in CHOICES[key]:
-            raise HftkError(f"training.{key}", f"'{value}' is not supported with strategy {strategy}.",
-                            f"use one of: {', '.join(map(str, CHOICES[key]))}.")
-    report_to = cfg.training.get("report_to") or []
-    for name in [report_to] if isinstance(report_to, str) else report_to:
-        if name not in REPORTERS:
-            raise HftkError("training.report_to", f"'{name}' is not supported with strategy {strategy}.",
-                            f"use {' or '.join(REPORTERS)} (metrics.jsonl is always written).")
 
 
 # ---------------------------------------------------------------- process group
-
-
-def device_type(cfg: Any) -> str:
-    """Where the ranks compute: the GPU when there is one (unless ``training.use_cpu``), else the CPU."""
-    return "cuda" if torch.cuda.is_available() and not cfg.training.get("use_cpu") else "cpu"
 
 
 def init_process_group(cfg: Any) -> int:
     """Start the default process group (gloo on CPU, NCCL on GPU); a single process gets a local store."""
     if dist.is_initialized():
         return dist.get_world_size()
-    timeout = timedelta(seconds=int(cfg.training.get("ddp_timeout", 1800)))
+    timeout = timedelta(seconds=int(cfg.args.ddp_timeout))
     if device_type(cfg) == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "WORLD_SIZE" in os.environ:
@@ -181,7 +124,7 @@ def token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 # ---------------------------------------------------------------- optimisation
 
 
-def build_optimizer(model: torch.nn.Module, training: dict[str, Any]) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, training: SimpleNamespace) -> torch.optim.Optimizer:
     """AdamW; biases and norms (1-D parameters) without weight decay, one group per device mesh.
 
     Parameters on different meshes (tensor-parallel shards next to replicated norms) cannot share
@@ -191,22 +134,22 @@ def build_optimizer(model: torch.nn.Module, training: dict[str, Any]) -> torch.o
     for param in model.parameters():
         if param.requires_grad:
             groups.setdefault((param.ndim >= 2, getattr(param, "device_mesh", None)), []).append(param)
-    decay = training.get("weight_decay", 0.0)
+    decay = training.weight_decay
     param_groups = [{"params": params, "weight_decay": decay if decays else 0.0}
                     for (decays, _), params in groups.items()]
     return torch.optim.AdamW(
-        param_groups, lr=training["learning_rate"], eps=training.get("adam_epsilon", 1e-8),
-        betas=(training.get("adam_beta1", 0.9), training.get("adam_beta2", 0.999)),
-        fused=True if training.get("optim") == "adamw_torch_fused" else None,
+        param_groups, lr=training.learning_rate, eps=training.adam_epsilon,
+        betas=(training.adam_beta1, training.adam_beta2),
+        fused=True if training.optim == "adamw_torch_fused" else None,
     )
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, training: dict[str, Any], max_steps: int) -> Any:
+def build_scheduler(optimizer: torch.optim.Optimizer, training: SimpleNamespace, max_steps: int) -> Any:
     from transformers import get_scheduler
 
-    warmup = training.get("warmup_steps", 0)
+    warmup = training.warmup_steps
     warmup = int(warmup) if warmup >= 1 else math.ceil(max_steps * warmup)
-    return get_scheduler(training.get("lr_scheduler_type", "linear"), optimizer, num_warmup_steps=warmup,
+    return get_scheduler(training.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                          num_training_steps=max_steps)
 
 
@@ -400,13 +343,11 @@ def own_storage(model: torch.nn.Module) -> None:
                 module._buffers[name] = buffer.clone()
 
 
-def loop_args(cfg: Any, max_steps: int) -> SimpleNamespace:
-    """The TrainingArguments values this run uses, without constructing one (it would start accelerate's state)."""
-    from transformers import TrainingArguments
-
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)
-                if f.init and f.default is not dataclasses.MISSING}
-    return SimpleNamespace(**{**defaults, "optim": "adamw_torch", **cfg.training, "max_steps": max_steps})
+def loop_args(cfg: Any) -> SimpleNamespace:
+    """The TrainingArguments values this run uses (``cfg.args``; constructing TrainingArguments would start
+    accelerate's state), with the loop's own AdamW when ``--optim`` is not given: torch's, not fused.
+    ``max_steps`` is set once the data size is known."""
+    return SimpleNamespace(**{**vars(cfg.args), "optim": cfg.training.get("optim", "adamw_torch")})
 
 
 def train(prepared: PreparedRun) -> dict[str, float]:
@@ -431,7 +372,8 @@ def run(prepared: PreparedRun) -> dict[str, float]:
     main = dist.get_rank() == 0
     kind = device_type(cfg)
     device = "cpu" if kind == "cpu" else f"cuda:{torch.cuda.current_device()}"
-    seed = t.get("seed", 42)
+    args = loop_args(cfg)
+    seed = args.seed
     set_seed(seed)
     tokenizer, data = load_data(prepared, SimpleNamespace(seed=seed, main_process_first=main_process_first))
     model = load_model(cfg.model).to(device)
@@ -443,29 +385,27 @@ def run(prepared: PreparedRun) -> dict[str, float]:
                                  describe={**layout.describe, "bf16": bool(t.get("bf16")),
                                            "activation_checkpointing": model.is_activation_checkpointing})
     own_storage(layout.model)
-    optimizer = build_optimizer(layout.model, t)
+    optimizer = build_optimizer(layout.model, args)
 
     micro = t["per_device_train_batch_size"]
-    global_batch = micro * t.get("gradient_accumulation_steps", 1) * layout.data_size
-    announce_eval(cfg.data, data.eval, t.get("per_device_eval_batch_size", 8), layout.data_size, main)
+    global_batch = micro * args.gradient_accumulation_steps * layout.data_size
+    announce_eval(cfg.data, data.eval, args.per_device_eval_batch_size, layout.data_size, main)
     steps_per_epoch = len(data.train) // global_batch
     if steps_per_epoch == 0:
         raise HftkError("training.per_device_train_batch_size",
                         f"one optimizer step needs {global_batch} blocks but the training set has {len(data.train)}.",
                         "lower the batch size or gradient_accumulation_steps, or add data.")
-    max_steps = t["max_steps"] if t.get("max_steps", -1) > 0 else math.ceil(t["num_train_epochs"] * steps_per_epoch)
-    scheduler = build_scheduler(optimizer, t, max_steps)
+    max_steps = args.max_steps = (args.max_steps if args.max_steps > 0
+                                  else math.ceil(args.num_train_epochs * steps_per_epoch))
+    scheduler = build_scheduler(optimizer, args, max_steps)
     reporter = Reporter(cfg, {"strategy": cfg.strategy.strategy, **layout.describe,
                               **{key: value if isinstance(value, (bool, int, float, str)) else str(value)
                                  for key, value in t.items()}})
-    args = loop_args(cfg, max_steps)
 
     def record(step: int, metrics: dict[str, float]) -> dict[str, Any]:
-        out = hub.run_record(cfg, args, dist.get_world_size(), prepared.data_format, step, metrics)
-        out["hyperparameters"]["global_batch_size"] = global_batch  # data-parallel ranks only
-        return out
+        return hub.run_record(cfg, args, dist.get_world_size(), prepared.data_format, step, metrics, layout.data_size)
 
-    pusher = hub.RunPusher(cfg, args, dist.get_world_size(), prepared.data_format, reporter.path) \
+    pusher = hub.RunPusher(cfg, args, dist.get_world_size(), prepared.data_format, reporter.path, layout.data_size) \
         if main and t.get("push_to_hub") else None
     step = 0
     resume = resolve_resume(cfg.output_dir, t.get("resume_from_checkpoint"))
@@ -505,7 +445,7 @@ def run(prepared: PreparedRun) -> dict[str, float]:
                              for i in range(0, len(indices), span)]
             lr = scheduler.get_last_lr()[0]
             monitor.step_begin(step + 1)
-            out = train_step(layout, micro_batches, optimizer, scheduler, t.get("max_grad_norm", 1.0),
+            out = train_step(layout, micro_batches, optimizer, scheduler, args.max_grad_norm,
                              count_memory=state_bytes is None, signalled=lambda: signal.received is not None)
             monitor.step_end()
             step += 1
@@ -519,7 +459,7 @@ def run(prepared: PreparedRun) -> dict[str, float]:
                 state_bytes = state_bytes or out["memory"]
                 window.append({"loss": out["loss"], "grad_norm": out["grad_norm"], "learning_rate": lr,
                                "seconds": time.perf_counter() - started})
-            if window and (step % t.get("logging_steps", 500) == 0 or step == max_steps):
+            if window and (step % args.logging_steps == 0 or step == max_steps):
                 summary = monitor.collect(layout.model, optimizer)  # every rank: one all_gather
                 ranks = summary.publish(step, reporter.path) if summary is not None else {}
                 result = {"train_loss": _log_window(reporter, window, step, steps_per_epoch, global_batch,
@@ -527,13 +467,13 @@ def run(prepared: PreparedRun) -> dict[str, float]:
                 window = []
             # skipped after a stop: the grace period is for the save
             if (stop is None and data.eval is not None and t.get("eval_strategy") == "steps"
-                    and step % t.get("eval_steps", 500) == 0):
+                    and step % args.eval_steps == 0):
                 try:
-                    result.update(_log_eval(layout, data.eval, t, device, step, steps_per_epoch, reporter, signal))
+                    result.update(_log_eval(layout, data.eval, args, device, step, steps_per_epoch, reporter, signal))
                     evaluated_at = step
                 except EvaluationInterrupted as interrupted:
                     stop, reason = EXIT_PREEMPTED, f"preempted ({interrupted}) during evaluation"
-            if stop is not None or (t.get("save_strategy", "steps") == "steps" and step % t.get("save_steps", 500) == 0):
+            if stop is not None or (args.save_strategy == "steps" and step % args.save_steps == 0):
                 save(step)
             if stop is not None:
                 _exit(stop, step, cfg.output_dir, reason)
@@ -544,7 +484,7 @@ def run(prepared: PreparedRun) -> dict[str, float]:
                                                               "lifetime_peak": lifetime_peak})})
     if data.eval is not None and evaluated_at != step:
         try:
-            result.update(_log_eval(layout, data.eval, t, device, step, steps_per_epoch, reporter, signal))
+            result.update(_log_eval(layout, data.eval, args, device, step, steps_per_epoch, reporter, signal))
         except EvaluationInterrupted as interrupted:
             save(step)
             _exit(EXIT_PREEMPTED, step, cfg.output_dir, f"preempted ({interrupted}) during evaluation")
@@ -583,9 +523,9 @@ def _log_window(reporter: Reporter, window: list[dict[str, float]], step: int, s
     return loss
 
 
-def _log_eval(layout: MeshLayout, dataset: Any, t: dict[str, Any], device: str, step: int, steps_per_epoch: int,
+def _log_eval(layout: MeshLayout, dataset: Any, t: SimpleNamespace, device: str, step: int, steps_per_epoch: int,
               reporter: Reporter, preemption: PreemptionSignal) -> dict[str, float]:
-    loss = evaluate(layout, dataset, t.get("per_device_eval_batch_size", 8), device, preemption)
+    loss = evaluate(layout, dataset, t.per_device_eval_batch_size, device, preemption)
     record = {"step": step, "epoch": step / steps_per_epoch, "eval_loss": loss,
               "eval_perplexity": math.exp(min(loss, 50.0))}
     reporter.log(record)

@@ -18,7 +18,7 @@ Every strategy module answers the same questions with plain functions (no base c
 A strategy whose layout the HF Trainer cannot drive names its engine module under
 ``hftk.engine`` in ``ENGINE`` (default ``"trainer"``). Tensor, context and sequence parallel
 (``tp``, ``cp``, ``sp``) set ``ENGINE = "mesh_loop"`` and answer ``validate`` plus
-``layout(model, cfg, device_type) -> MeshLayout`` (see :mod:`hftk.engine.mesh_loop`) instead of
+``layout(model, cfg, device_type) -> MeshLayout`` (see :mod:`hftk.strategies.mesh`) instead of
 the Trainer hooks. Pipeline (``pipeline``) sets ``ENGINE = "loop"`` (:mod:`hftk.engine.loop`:
 the Trainer's own state, callbacks, optimizer and scheduler around a pipeline schedule).
 """

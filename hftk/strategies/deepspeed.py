@@ -83,7 +83,7 @@ def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
         })
     config: dict[str, Any] = {
         "zero_optimization": zero,
-        "gradient_clipping": float(cfg.training.get("max_grad_norm", 1.0)),
+        "gradient_clipping": float(cfg.args.max_grad_norm),
         "bf16": {"enabled": "auto"},
         "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                  "hysteresis": 2, "min_loss_scale": 1},
@@ -124,7 +124,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if not isinstance(t.get("accelerator_config") or {}, dict):
         raise HftkError("training.accelerator_config", f"{name} adds to it, so it must be given inline.",
                         "write accelerator_config as a mapping in the run YAML.")
-    optim = str(t.get("optim", "adamw_torch"))
+    optim = str(cfg.args.optim)
     if name in OFFLOADED and not optim.startswith("adamw"):
         raise HftkError("training.optim", f"{name} steps the optimizer on the CPU with DeepSpeed's CPU AdamW, "
                         f"not {optim}.", "drop --optim, or use --strategy zero3 to keep your optimizer.")
@@ -176,7 +176,7 @@ def training_arguments(cfg: RunConfig, model_config: Any) -> dict[str, Any]:
     """
     kwargs: dict[str, Any] = {"deepspeed": deepspeed_config(cfg)}
     if _deepspeed_device() == "cpu":
-        _start_cpu_state(int(cfg.training.get("ddp_timeout", 1800)))
+        _start_cpu_state(int(cfg.args.ddp_timeout))
         kwargs["accelerator_config"] = {**(cfg.training.get("accelerator_config") or {}), "use_configured_state": True}
     return kwargs
 
@@ -295,7 +295,7 @@ def save_final(trainer: Any, out_dir: Path) -> None:
     """The Trainer gathers ZeRO-3 partitions (16-bit gather flag on); then prove the folder complete."""
     trainer.save_model(str(out_dir))
     if trainer.args.should_save:
-        from hftk.export import check_complete, shapes_of
+        from hftk.hf_folder import check_complete, shapes_of
 
         check_complete(out_dir, shapes_of(trainer.model))
     if dist.is_initialized():

@@ -19,7 +19,6 @@ crashes on its DTensor parameters. One path serves CPU (gloo) and GPU (NCCL) ali
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -96,25 +95,32 @@ def device_mesh(cfg: RunConfig) -> Any:
     return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
 
 
-def prepare_model(model: Any, cfg: RunConfig) -> Any:
-    """``fully_shard`` each decoder block, then the root; returns the same (now sharded) model."""
+def apply_fsdp(model: Any, blocks: list[Any], mesh: Any, reshard_after_forward: bool, bf16: bool = False,
+               cpu_offload: bool = False) -> None:
+    """FSDP2 the way every hftk layout uses it: ``fully_shard`` each decoder block (one gather unit
+    each), then the root (embeddings, final norm, head); strategy fsdp and tp / cp's data-parallel
+    dimensions. ``bf16``: bf16 compute with fp32 gradient reduction (the mesh loop autocasts instead)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = device_mesh(cfg)
     options = {
         "mesh": mesh,
-        "reshard_after_forward": cfg.strategy.fsdp_reshard_after_forward,
+        "reshard_after_forward": reshard_after_forward,
         "mp_policy": (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                      if cfg.training.get("bf16") else MixedPrecisionPolicy()),
+                      if bf16 else MixedPrecisionPolicy()),
         # Pinned host memory needs an accelerator; on a CPU-only run the shards live in RAM anyway.
-        "offload_policy": (CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cfg.strategy.fsdp_cpu_offload
-                           else OffloadPolicy()),
+        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy(),
     }
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+
+
+def prepare_model(model: Any, cfg: RunConfig) -> Any:
+    """``fully_shard`` each decoder block, then the root; returns the same (now sharded) model."""
     tied = _tied_aliases(model)
     block = decoder_block_class(model)
-    for module in [m for m in model.modules() if isinstance(m, block)]:
-        fully_shard(module, **options)
-    fully_shard(model, **options)
+    apply_fsdp(model, [m for m in model.modules() if isinstance(m, block)], device_mesh(cfg),
+               cfg.strategy.fsdp_reshard_after_forward, bool(cfg.training.get("bf16")), cfg.strategy.fsdp_cpu_offload)
     if _tied_aliases(model) != tied:  # e.g. a family whose tied head lives inside a block
         raise HftkError("model.model_name_or_path", f"sharding split the tied weights {sorted(tied)} into separate "
                         "parameters, which would train apart.", "report this model family; train it with ddp meanwhile.")
@@ -198,7 +204,7 @@ def save_full_model(trainer: Any, out_dir: Path, original_format: bool = True) -
     """
     state = full_model_state_dict(trainer.model)
     if trainer.args.should_save:
-        from hftk.export import check_complete, shapes_of
+        from hftk.hf_folder import check_complete, shapes_of
 
         out_dir.mkdir(parents=True, exist_ok=True)
         trainer.model.save_pretrained(out_dir, state_dict=state, is_main_process=True,
@@ -293,22 +299,10 @@ def is_fsdp_checkpoint(path: Path) -> bool:
 
 
 def fsdp_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """The whole model from every rank's DCP shards, read in this one process (no process group).
+    """The whole model from every rank's DCP shards, read in this one process (no process group)."""
+    from hftk.hf_folder import read_dcp_model
 
-    Empty tensors of the recorded shapes and dtypes are allocated from the checkpoint's
-    metadata, then ``dcp.load(no_dist=True)`` fills them from all shard files.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(path / SHARDED_MODEL_DIR))
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in reader.read_metadata().state_dict_metadata.items()
-             if isinstance(meta, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": exactly the intent
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    return {key.removeprefix("model."): tensor for key, tensor in state.items()}
+    return read_dcp_model(path / SHARDED_MODEL_DIR)
 
 
 class FSDPTrainer(Trainer):

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hftk.comm.collectives import all_reduce_flat
 from hftk.config import RunConfig, StrategyConfig
 from hftk.errors import HftkError
 from hftk.layout import FAMILIES, DecoderLayout, layout, supported_families
@@ -40,7 +41,6 @@ ENGINE = "loop"  # hftk.engine.loop
 MANIFEST = "pipeline.json"
 STAGE_FILE = "stage-{:02d}.safetensors"
 OPTIMIZER_FILE = "optimizer-pp{:02d}.pt"
-BUCKET_ELEMENTS = 1 << 24  # gradients are all-reduced in flat buckets of at most this many elements
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     """Every pipeline-specific mistake, named, before any process starts training."""
     from hftk.modeling import load_model_config
 
-    s, t = cfg.strategy, cfg.training
+    s = cfg.strategy
     if s.pp_size < 2:
         raise HftkError("strategy.pp_size", f"pipeline needs at least 2 stages, got {s.pp_size}.",
                         "set --pp_size 2 or more (or use --strategy ddp for one stage).")
@@ -63,7 +63,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise HftkError("strategy.pp_size", f"the world size {world_size} is not a multiple of pp_size {s.pp_size}.",
                         f"launch a multiple of {s.pp_size} processes (pp_size x data-parallel replicas).")
     _refuse_combinations(cfg)
-    batch = t.get("per_device_train_batch_size", 8)
+    batch = cfg.args.per_device_train_batch_size
     m = s.pp_microbatches
     if m < 1 or batch % m:
         raise HftkError("strategy.pp_microbatches", f"{m} micro-batches do not divide the per-replica batch of {batch}.",
@@ -433,24 +433,6 @@ def evaluate_batch(rt: PipelineRuntime, batch: dict[str, torch.Tensor]) -> torch
     return torch.stack(losses).sum().float() if losses else torch.zeros((), device=rt.topo.device)
 
 
-def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
-    """Sum ``tensors`` over ``group`` in a few flat buckets instead of one call per tensor."""
-    start = 0
-    while start < len(tensors):
-        end, size = start, 0
-        while end < len(tensors) and (end == start or size + tensors[end].numel() <= BUCKET_ELEMENTS):
-            size += tensors[end].numel()
-            end += 1
-        bucket = tensors[start:end]
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for t in bucket:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-        start = end
-
-
 def trainable(rt: PipelineRuntime) -> list[tuple[str, nn.Parameter]]:
     """This rank's parameters that train (with LoRA only the adapters; the frozen base gets no gradient)."""
     return [(n, p) for n, p in rt.params if p.requires_grad]
@@ -463,7 +445,7 @@ def reduce_gradients(rt: PipelineRuntime) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     if rt.topo.dp_size > 1:
-        _all_reduce_flat([p.grad for _, p in params], rt.topo.dp_group)
+        all_reduce_flat([p.grad for _, p in params], rt.topo.dp_group)
     if rt.tied_names is not None and rt.topo.tie_group is not None:
         name = rt.tied_names[0] if rt.holds_first else rt.tied_names[1]
         (tied,) = [p for n, p in rt.params if n == name]

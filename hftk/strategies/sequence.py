@@ -30,19 +30,19 @@ from typing import Any
 
 import torch
 
+from hftk.comm.collectives import BUCKET_BYTES, all_reduce_flat
 from hftk.config import RunConfig
 from hftk.errors import HftkError
 from hftk.support import check_family, check_lora
 
 ENGINE = "mesh_loop"
 ATTENTION = "sdpa"
-BUCKET_BYTES = 25 * 2**20
 
 
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Degrees, attention kernel, sequence and head divisibility, supported options; before any process group."""
-    from hftk.engine.mesh_loop import check_training_options
     from hftk.modeling import load_model_config
+    from hftk.strategies.mesh import check_training_options
 
     s = cfg.strategy
     if s.sp_size < 1 or world_size % s.sp_size:
@@ -113,31 +113,12 @@ def sequence_slice(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict
     return {k: v[:, cut] for k, v in batch.items() if k != "attention_mask"}
 
 
-def all_reduce_grads(model: torch.nn.Module, group: Any) -> None:
-    """Sum every gradient over ``group`` in flat buckets (each rank holds its tokens' share only)."""
-    import torch.distributed as dist
-
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for grad in grads + [None]:
-        if grad is not None:
-            bucket.append(grad)
-            size += grad.numel() * grad.element_size()
-        if bucket and (grad is None or size >= BUCKET_BYTES):
-            flat = torch.cat([g.flatten() for g in bucket])
-            dist.all_reduce(flat, group=group)
-            for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
-                g.copy_(part.view_as(g))
-            bucket, size = [], 0
-
-
 def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     """Build the ``(dp, sp)`` mesh, register Ulysses, and say how the loop feeds and combines the ranks."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hftk.engine.mesh_loop import MeshLayout
+    from hftk.strategies.mesh import MeshLayout
 
     sp = cfg.strategy.sp_size
     mesh = init_device_mesh(device_type, (dist.get_world_size() // sp, sp), mesh_dim_names=("dp", "sp"))
@@ -155,7 +136,8 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
         describe={"strategy": "sp", "sp_size": sp, "dp_size": mesh["dp"].size(), "family": model.config.model_type,
                   "attention": ATTENTION},
         shard_batch=lambda batch: sequence_slice(batch, sp_rank, sp),
-        reduce_grads=lambda: all_reduce_grads(model, world) if dist.get_world_size() > 1 else None,
+        reduce_grads=lambda: (all_reduce_flat([p.grad for p in model.parameters() if p.grad is not None], world)
+                              if dist.get_world_size() > 1 else None),
     )
 
 
@@ -166,7 +148,7 @@ def estimate_memory(shape: Any, inputs: Any, sp: int) -> Any:
     is the transient. Each rank keeps ``s / sp`` tokens of every activation and attends over the
     whole sequence for ``a / sp`` heads, so per layer ``b s h (34 + 5 a s / h) / sp``.
     """
-    from hftk.plan import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
+    from hftk.plan_types import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
 
     w = DTYPE_BYTES[inputs.dtype]
     b, s, h = inputs.micro_batch, inputs.seq_len, shape.hidden

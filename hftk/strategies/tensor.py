@@ -65,11 +65,9 @@ def mesh_shape(cfg: RunConfig, world_size: int) -> tuple[int, int, int, int]:
 
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Mesh sizes, model plan and divisibility, and the options this layout supports, before any process group."""
-    from hftk.engine.mesh_loop import check_training_options, device_type
     from hftk.modeling import load_model_config
-    from hftk.strategies import tp_plans
-
-    from hftk.strategies import context
+    from hftk.strategies import context, tp_plans
+    from hftk.strategies.mesh import check_training_options, device_type
 
     s = cfg.strategy
     if s.sp_size > 1:
@@ -95,15 +93,12 @@ def validate(cfg: RunConfig, world_size: int) -> None:
 
 def shard_data_parallel(model: Any, mesh: Any, reshard_after_forward: bool) -> None:
     """FSDP2 over the data-parallel mesh dimensions and ``cp``: each decoder block, then the root."""
-    from torch.distributed.fsdp import fully_shard
-
     from hftk.layout import layout as decoder_layout
+    from hftk.strategies.fsdp import apply_fsdp
 
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # the ranks that hold the same tensor-parallel shard
     dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard_cp"]
-    for block in decoder_layout(model).blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    apply_fsdp(model, list(decoder_layout(model).blocks), dp_mesh, reshard_after_forward)
 
 
 def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
@@ -112,8 +107,8 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from hftk.engine.mesh_loop import MeshLayout
     from hftk.strategies import context
+    from hftk.strategies.mesh import MeshLayout
     from hftk.strategies.tp_plans import apply_tensor_parallel
 
     replicate, shard, cp, tp = mesh_shape(cfg, dist.get_world_size())
@@ -157,7 +152,7 @@ def estimate_memory(shape: Any, inputs: Any, tp: int, replicated: int, cp: int =
     becomes a neighbour's K/V block ``2 / t`` (the ring's kernels keep no scores); the logits are
     vocabulary-sharded.
     """
-    from hftk.plan import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
+    from hftk.plan_types import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
 
     data = max(inputs.world_size // tp, 1)
     w = DTYPE_BYTES[inputs.dtype]
@@ -187,7 +182,7 @@ def plan_rows(model_config: Any, shape: Any, inputs: Any, tp_size: int, sp_size:
     Which layout suits a model is a question of interconnect and sequence length, not only of
     memory, so these rows inform and the pick stays among the data-parallel strategies.
     """
-    from hftk.plan import HEADROOM
+    from hftk.plan_types import HEADROOM
     from hftk.strategies import sequence, tp_plans
 
     for name, degree in (("--tp_size", tp_size), ("--sp_size", sp_size), ("--cp_size", cp_size),

@@ -1,0 +1,55 @@
+"""``cfg.args``: the training options resolved once. Every value a run does not set is hftk's
+``TRAINING_DEFAULTS`` or else what TrainingArguments itself would use, and no module reads
+``cfg.training`` with a default of its own (which could only disagree)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+from hftk.config import TRAINING_DEFAULTS, load_config, training_defaults
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# TrainingArguments.__post_init__ derives these from the others (None -> False, '' -> [], do_eval from
+# eval_strategy, ...); hftk reads them only for truth, where both forms agree.
+DERIVED = {"activation_checkpointing", "gradient_checkpointing", "include_num_input_tokens_seen", "disable_tqdm",
+           "accelerator_config", "debug", "do_eval"}
+
+
+def _training_fields() -> dict[str, dataclasses.Field]:
+    from transformers import TrainingArguments
+
+    return {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+def test_unset_options_are_hftks_defaults_else_training_arguments_own():
+    defaults = training_defaults()
+    assert set(defaults) == set(_training_fields())
+    for name, f in _training_fields().items():
+        own = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        assert defaults[name] == TRAINING_DEFAULTS.get(name, own), name
+
+
+def test_the_view_equals_what_training_arguments_make_of_the_same_config(tmp_path):
+    from transformers import TrainingArguments
+
+    cfg = load_config(["--output_dir", str(tmp_path), "--max_steps", "7", "--optim", "adamw_torch"])
+    hf = TrainingArguments(**cfg.training)
+    differ = {name for name in _training_fields()
+              if getattr(getattr(hf, name), "value", getattr(hf, name)) != getattr(cfg.args, name)}
+    assert differ <= DERIVED, sorted(differ - DERIVED)
+    assert (cfg.args.max_steps, cfg.args.optim, cfg.args.logging_steps) == (7, "adamw_torch", 5)
+    assert all(getattr(cfg.args, k) == v for k, v in TRAINING_DEFAULTS.items() if k != "output_dir")
+
+
+def test_no_module_reads_a_training_option_with_a_default_of_its_own():
+    """``x.get("<TrainingArguments field>", default)`` is the pattern ``cfg.args`` replaced."""
+    fields = _training_fields()
+    allowed = 'get("optim", "adamw_torch")'  # the mesh loop's own AdamW when --optim is not given (loop_args)
+    found = [f"{path.relative_to(ROOT)}:{i}: {m.group(0)}" for path in sorted((ROOT / "hftk").rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1)
+             for m in re.finditer(r'\.get\("([a-z_0-9]+)",\s*[^)]+\)', line)
+             if m.group(1) in fields and allowed not in m.group(0)]
+    assert not found, found
