@@ -497,7 +497,8 @@ def collator(cfg: DataConfig, pad_id: int, fixed_length: int | None = None) -> A
                   if k in ("input_ids", "labels", "seq_lengths")} for e in examples]
         batch = collate(plain)
         if bfd:
-            # Only what the CPU kernels read: the varlen metadata is for flash attention's own path.
+            # TRL's varlen metadata (cu_seq_lens, seq_idx) dropped: transformers derives the same boundaries
+            # from position_ids for sdpa, eager and flash attention alike.
             batch = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
             batch["use_cache"] = False
         return batch

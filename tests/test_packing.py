@@ -153,3 +153,51 @@ def test_packing_a_strategy_cannot_honour_is_refused_before_launch(tmp_path, mon
     with pytest.raises(HftkError) as err:
         prepare([*CHAT, *model, "--dataset", chat_data(tmp_path), *args, "--output_dir", str(tmp_path / "o")])
     assert err.value.field == field and words in err.value.problem
+
+
+def varied_conversations(path, n: int = 48) -> str:
+    """Conversations of 20..~230 tokens (gpt2-tiny's tokenizer): bfd puts several in one block."""
+    import json
+
+    rows_ = [{"messages": [{"role": "user", "content": f"Say {i}: " + "and the light " * (i * 7 % 23)},
+                           {"role": "assistant", "content": "It was good. " * (1 + i * 5 % 13)}]} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_bfd_trains_on_two_ranks_with_one_process_losses_and_resumes_exactly(tmp_path):
+    """Every Trainer engine family (DDP, FSDP2, ZeRO-3, LoRA under DDP) under bfd on 2 gloo ranks
+    gives the per-step losses of one process (2 x 2 packed rows = 4 rows per step either way, 4 steps
+    inside the first epoch: an epoch's short last batch is filled with repeated rows on 2 ranks), and a
+    run resumed from its step-2 checkpoint logs the uninterrupted run's steps 3-4 (the packed order is
+    part of the data position). One 2-rank launch runs every cell (tests/workers/matrix_cells.py)."""
+    import json
+
+    from tests.helpers import ROOT, TINY_ARGS, finetune, losses, metrics, torchrun
+
+    data = varied_conversations(tmp_path / "chat.jsonl", n=64)
+    common = [*TINY_ARGS, "--chat_template", "chatml", "--dataset", data, "--block_size", "256",
+              "--packing", "bfd", "--eval_fraction", "0", "--max_steps", "4", "--max_train_samples", "64"]
+    lora = ["--lora_r", "8", "--adam_epsilon", "1e-4"]
+    for name, extra in {"single": [], "lora_single": lora}.items():
+        finetune(1, [*common, *extra, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / name)])
+    two = {"ddp": ["--save_strategy", "steps", "--save_steps", "2"], "fsdp": ["--strategy", "fsdp"],
+           "zero3": ["--strategy", "zero3"], "lora_ddp": lora,
+           "resumed": ["--resume_from_checkpoint", str(tmp_path / "ddp" / "checkpoint-2")]}
+    spec = tmp_path / "cells.json"
+    spec.write_text(json.dumps({"out": str(tmp_path), "cells": [
+        {"name": name, "argv": [*common, *extra, "--per_device_train_batch_size", "2", "--output_dir",
+                                str(tmp_path / name)]} for name, extra in two.items()]}))
+    result = torchrun(2, ROOT / "tests" / "workers" / "matrix_cells.py", [str(spec)], timeout=1100)
+    assert result.returncode == 0, result.output[-6000:]
+    assert max(m["epoch"] for m in metrics(tmp_path / "single") if "loss" in m) <= 1  # 4 steps in one epoch
+    single, lora_single = losses(tmp_path / "single"), losses(tmp_path / "lora_single")
+    assert len(single) == 4
+    for name in ("ddp", "fsdp", "zero3", "lora_ddp"):
+        ref = lora_single if name.startswith("lora") else single
+        got = losses(tmp_path / name)
+        assert got.keys() == ref.keys() and all(abs(got[s] - ref[s]) < 1e-5 for s in ref), (name, got, ref)
+    resumed, uninterrupted = losses(tmp_path / "resumed"), losses(tmp_path / "ddp")
+    assert sorted(resumed) == [3, 4] and all(resumed[s] == pytest.approx(uninterrupted[s], abs=1e-6) for s in resumed)
