@@ -28,6 +28,7 @@ SHARED = ("model", "block_size", "nproc", "timeout")
 ALL_DEFAULTS: dict[str, dict[str, Any]] = {
     "overhead": {"repeats": 3, "steps": 12},
     "batch": {"max_micro_batch": 32, "global_batch": 32},
+    "data": {"examples": 300},
 }
 
 

@@ -10,7 +10,8 @@ Modes (``spec["mode"]``):
   each with its peak memory (``hftk bench batch``).
 
 Each rank writes ``rank{R}.json`` into ``spec["out"]``: per optimizer step its wall time (end of
-the previous step to end of this one), its process CPU time, and the logged loss.
+the previous step to end of this one), its process CPU time, and the logged loss; ``trainer`` runs
+add the tokens this rank's batches computed / held / labelled, the peak memory and the held-out loss.
 """
 
 from __future__ import annotations
