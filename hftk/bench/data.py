@@ -80,7 +80,7 @@ def run_data_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, bl
     base = [*BENCH_TRAIN_ARGS, "--model_name_or_path", model, "--dataset", str(dataset), "--eval_fraction", "0.1",
             "--block_size", str(block_size), "--per_device_train_batch_size", str(micro_batch),
             "--per_device_eval_batch_size", str(micro_batch), "--num_train_epochs", "1",
-            "--learning_rate", str(learning_rate), "--logging_steps", "5", "--model_dropout", "0"]
+            "--learning_rate", str(learning_rate), "--model_dropout", "0"]  # logged every step: peak memory per window
     runs = {}
     for mode, extra in MODES.items():
         work = out_dir / mode
