@@ -28,6 +28,7 @@ from hftk.errors import HftkError
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "pipeline", "tp", "cp", "sp", "auto")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PACKINGS = ("auto", "concat", "bfd", "none")
 DATA_FORMATS = ("auto", "text", "prompt_completion", "messages", "alpaca", "sharegpt")
 DEFAULT_MODEL = "builtin:gpt2-small"
 DEFAULT_DATASET = "builtin:kjv"
@@ -98,7 +99,21 @@ class DataConfig:
     prompt_field: str = _opt("prompt", "Column holding the prompt for data_format=prompt_completion.")
     completion_field: str = _opt("completion", "Column holding the completion for data_format=prompt_completion.")
     block_size: int = _opt(128, "Tokens per training sequence; must not exceed the model's context length.")
-    packing: bool = _opt(True, "Concatenate examples into full blocks (no padding) instead of one example per block.")
+    packing: str = _opt(
+        "auto",
+        "How examples become training rows. 'concat': concatenated and cut into full blocks (an example attends "
+        "to the one before it: continued pre-training of plain text). 'bfd': whole examples placed into blocks of "
+        "block_size by best-fit decreasing (TRL's pack_dataset), each batch flattened padding-free with position "
+        "ids restarting at 0 per example, so no example attends to another (Trainer strategies; sdpa / eager / "
+        "flash attention). 'none': one example per row, each batch padded to its longest example (rounded up to "
+        "pad_to_multiple_of; pipeline, tp and sp pad to block_size). 'auto': concat for plain text, else bfd "
+        "where the strategy keeps packed examples apart, else none.",
+        choices=list(PACKINGS),
+    )
+    pad_to_multiple_of: int | None = _opt(
+        None, "packing none: pad each batch to a multiple of this many tokens (e.g. 8 or 64 for GPU kernels; "
+        "block_size pads every batch to block_size).",
+    )
     max_train_samples: int | None = _opt(None, "Keep only this many raw training rows (quick runs).")
     max_eval_samples: int | None = _opt(
         None, "Keep only the first this many evaluation blocks (after the split and packing, as run_clm's "

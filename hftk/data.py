@@ -334,11 +334,7 @@ def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> B
         if fmt == "messages":
             _report_long(cfg, name, n, len(ds), sum(ds["truncated"]))
             ds = ds.remove_columns("truncated")
-        # Conversations are never concatenated: one per block, padded.
-        packing = cfg.packing and fmt != "messages"
-        block = pack_blocks if packing else pad_blocks
-        return ds.map(lambda b: block(b, cfg.block_size, tokenizer.pad_token_id), batched=True,
-                      remove_columns=ds.column_names, desc="pack" if packing else "pad")
+        return rows(ds, cfg.packing, cfg.block_size, fmt)
 
     train_blocks = prepare(train, cfg.train_split)
     if len(train_blocks) == 0:
@@ -457,7 +453,60 @@ def _encode_conversations(conversations: list, tokenizer: Any, cfg: DataConfig, 
     return out
 
 
-def pack_blocks(batch: dict[str, list], block_size: int, pad_id: int) -> dict[str, list]:
+def rows(ds: Any, packing: str, block_size: int, fmt: str) -> Any:
+    """Tokenised examples -> training rows for a resolved ``data.packing``: ``concat`` full blocks,
+    ``bfd`` whole examples placed by TRL's best-fit decreasing (``seq_lengths`` per row: where each
+    example starts; plain text longer than a block is split, anything else truncated), ``none`` one
+    example per row cut to ``block_size`` (the collator pads each batch)."""
+    from trl.data_utils import pack_dataset
+
+    _check_resolved(packing)
+    if packing == "concat":
+        return ds.map(lambda b: pack_blocks(b, block_size), batched=True, remove_columns=ds.column_names,
+                      desc="pack")
+    if packing == "bfd":
+        return pack_dataset(ds, block_size, strategy="bfd_split" if fmt == "text" else "bfd")
+    return ds.map(lambda b: {k: [x[:block_size] for x in b[k]] for k in ("input_ids", "labels")}, batched=True,
+                  desc="cut")
+
+
+def _check_resolved(packing: str) -> None:
+    if packing not in ("concat", "bfd", "none"):  # 'auto' depends on formats and strategy: validate resolves it
+        raise ValueError(f"data.packing {packing!r} is not resolved (hftk.validate.resolve_packing)")
+
+
+def collator(cfg: DataConfig, pad_id: int, fixed_length: int | None = None) -> Any:
+    """The batch builder of every engine: TRL's ``DataCollatorForLanguageModeling``.
+
+    ``bfd``: the batch's rows flattened into one padding-free row, ``position_ids`` restarting at 0 per
+    example and the label of every example's first token ignored (no token predicts the next example);
+    transformers builds the block-diagonal mask from those position ids only when neither an attention
+    mask nor a cache is in use, so the batch also says ``use_cache=False`` (a model in eval mode would
+    otherwise open a cache and let examples attend to each other). ``concat`` / ``none``: rows padded to
+    the batch's longest, rounded up to ``pad_to_multiple_of`` -- or to ``fixed_length`` for engines
+    whose shapes are fixed (pipeline stages, the mesh loop)."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    _check_resolved(cfg.packing)
+    bfd = cfg.packing == "bfd"
+    multiple = fixed_length or (None if bfd else cfg.pad_to_multiple_of)
+    collate = DataCollatorForLanguageModeling(pad_token_id=pad_id, padding_free=bfd, pad_to_multiple_of=multiple)
+
+    def build(examples: list[dict[str, Any]]) -> dict[str, Any]:
+        plain = [{k: v.tolist() if hasattr(v, "tolist") else v for k, v in e.items()
+                  if k in ("input_ids", "labels", "seq_lengths")} for e in examples]
+        batch = collate(plain)
+        if bfd:
+            # TRL's varlen metadata (cu_seq_lens, seq_idx) dropped: transformers derives the same boundaries
+            # from position_ids for sdpa, eager and flash attention alike.
+            batch = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+            batch["use_cache"] = False
+        return batch
+
+    return build
+
+
+def pack_blocks(batch: dict[str, list], block_size: int) -> dict[str, list]:
     """Concatenate examples and cut full blocks; the remainder shorter than a block is dropped."""
     ids = [t for x in batch["input_ids"] for t in x]
     labels = [t for x in batch["labels"] for t in x]
@@ -467,15 +516,3 @@ def pack_blocks(batch: dict[str, list], block_size: int, pad_id: int) -> dict[st
         "labels": [labels[i:i + block_size] for i in range(0, n, block_size)],
         "attention_mask": [[1] * block_size for _ in range(0, n, block_size)],
     }
-
-
-def pad_blocks(batch: dict[str, list], block_size: int, pad_id: int) -> dict[str, list]:
-    """One example per block: truncate or right-pad; padding is masked out of the loss."""
-    out: dict[str, list] = {"input_ids": [], "labels": [], "attention_mask": []}
-    for ids, labels in zip(batch["input_ids"], batch["labels"]):
-        ids, labels = ids[:block_size], labels[:block_size]
-        pad = block_size - len(ids)
-        out["input_ids"].append(ids + [pad_id] * pad)
-        out["labels"].append(labels + [IGNORE_INDEX] * pad)
-        out["attention_mask"].append([1] * len(ids) + [0] * pad)
-    return out

@@ -49,7 +49,7 @@ def save(path: Path, data: TokenizedData, fp: dict[str, Any]) -> dict[str, Any]:
     splits = {"train": data.train.with_format(None)}
     if data.eval is not None:
         splits["eval"] = data.eval.with_format(None)
-    summary = {name: {"blocks": len(ds), "tokens": int(sum(sum(m) for m in ds["attention_mask"])),
+    summary = {name: {"blocks": len(ds), "tokens": int(sum(len(x) for x in ds["input_ids"])),
                       "labelled_tokens": int(sum(sum(x != -100 for x in lab) for lab in ds["labels"]))}
                for name, ds in splits.items()}
 
@@ -72,6 +72,9 @@ def load(cfg: RunConfig, tokenizer: Any) -> TokenizedData:
         raise HftkError("data.tokenized_path", f"'{path}' is not a folder written by hftk preprocess.",
                         "run `hftk preprocess --config run.yaml --tokenized_path DIR` first.")
     meta = json.loads(meta_file.read_text())
+    from hftk.validate import resolve_packing
+
+    resolve_packing(cfg, meta["data_format"])  # 'auto' as it resolved when the folder was made
     want = fingerprint(cfg, tokenizer)
     for key, value in want.items():
         if meta["fingerprint"].get(key) != value:

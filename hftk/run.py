@@ -46,6 +46,8 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
     # Conversations need the tokenizer's chat template now (a built-in model is then written early).
     sources = load_sources(cfg.data, lambda: load_tokenizer(cfg.model, cfg.data.chat_template))
     validate.check_data(cfg, combined_format(sources))
+    for source in sources:  # each dataset's options were copied before check_data resolved data.packing
+        source.cfg.packing = cfg.data.packing
     resolve_model_path(cfg.model)  # valid input: a built-in is written now, before any process group
     return PreparedRun(cfg=cfg, model_config=model_config, raw=sources[0].raw, data_format=combined_format(sources),
                        world_size=world_size, sources=sources)

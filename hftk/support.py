@@ -1,6 +1,7 @@
 """What hftk supports: every strategy x model family x {full fine-tuning, LoRA}, in one table.
 
-The strategies' validators take their LoRA refusals from here (:func:`check_lora`), the README's
+The strategies' validators take their LoRA refusals from here (:func:`check_lora`), the packing modes
+each strategy honours (:func:`check_packing`, :data:`PACKING_SUPPORT`); the README's
 support table is rendered from it (``python -m hftk.support README.md`` rewrites it;
 tests/test_support.py keeps the README equal), and tests/test_matrix.py runs every cell on 2 ranks and asserts each one trains
 and saves a loadable ``final/`` or is refused before launch exactly as :func:`expected` says.
@@ -45,6 +46,53 @@ DEFAULT_CONFIG_REFUSED = {
     ("cp", "mistral"): Refusal("model.model_name_or_path", "Mistral's default sliding-window attention needs a "
                                "mask stricter than causal, which ring attention cannot apply."),
 }
+
+
+# Packing modes (data.packing) each engine honours. bfd needs the batch flattened into one row whose
+# position ids restart per example (transformers then masks across examples): the Trainer strategies
+# take that row as it is; the pipeline cuts batches into micro-batches by row and tp / cp / sp shard
+# rows by sequence with their own position ids, so they refuse it. Under pipeline, tp and sp 'none'
+# pads to block_size (fixed shapes across stages and ranks); cp's ring takes no padding mask.
+_TRAINER = ("concat", "bfd", "none")
+PACKING_SUPPORT = {**{s: _TRAINER for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload")},
+                   "pipeline": ("concat", "none"), "tp": ("concat", "none"), "sp": ("concat", "none"),
+                   "cp": ("concat",)}
+assert set(PACKING_SUPPORT) == set(STRATEGIES), "every strategy needs its packing modes here"
+# Attention implementations that build the packed (block-diagonal) mask from position ids when no
+# attention mask is passed: transformers' sdpa and eager masks (masking_utils.find_packed_sequence_indices,
+# tested on CPU for GPT-2, GPT-NeoX, Llama, Mistral, Qwen2) and the flash kernels' varlen path.
+BFD_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+def packing_refusal(strategy: str, packing: str, attn_implementation: str | None) -> Refusal | None:
+    """Why ``packing`` cannot run under ``strategy`` (or with that attention), or None."""
+    if packing not in PACKING_SUPPORT[strategy]:
+        why = ("ring attention takes no padding mask and does not keep packed examples apart"
+               if strategy == "cp" else "its batches are cut by row or by sequence, which breaks the flattened "
+               "padding-free row bfd needs")
+        return Refusal("data.packing", f"packing {packing} is not supported with strategy {strategy}: {why}.",
+                       f"use --packing {' or '.join(PACKING_SUPPORT[strategy])}, or a strategy of "
+                       f"{', '.join(s for s, m in PACKING_SUPPORT.items() if packing in m)}.")
+    if packing == "bfd" and attn_implementation is not None and attn_implementation not in BFD_ATTENTION:
+        return Refusal("model.attn_implementation", f"'{attn_implementation}' does not keep packed examples "
+                       "apart (packing bfd).", f"use one of {', '.join(BFD_ATTENTION)}, or --packing none.")
+    return None
+
+
+def check_packing(strategy: str, packing: str, attn_implementation: str | None) -> None:
+    """Raise the table's refusal of ``packing`` (called once the datasets' formats resolved it)."""
+    refusal = packing_refusal(strategy, packing, attn_implementation)
+    if refusal is not None:
+        raise HftkError(refusal.field, refusal.problem, refusal.fix)
+
+
+def resolve_packing(strategy: str, data_format: str, packing: str) -> str:
+    """``auto`` -> concat for plain text, else bfd where ``strategy`` keeps packed examples apart, else none."""
+    if packing != "auto":
+        return packing
+    if data_format == "text":
+        return "concat"
+    return "bfd" if "bfd" in PACKING_SUPPORT[strategy] else "none"
 
 
 def family_refusal(strategy: str, family: str) -> Refusal | None:

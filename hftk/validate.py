@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hftk import support
 from hftk.comm.register import validate as check_compression
 from hftk.config import RunConfig
 from hftk.engine.guard import check_accelerate_launch, parent_argv
@@ -135,8 +136,23 @@ def check_model(cfg: RunConfig, model_config: Any) -> None:
 
 
 def check_data(cfg: RunConfig, data_format: str) -> None:
-    """Checks that need the datasets' formats (known once they are read)."""
+    """Checks that need the datasets' formats (known once they are read); resolves ``data.packing auto``."""
     if cfg.strategy.strategy == "cp" and "messages" in data_format.split("+"):
         raise HftkError("data.data_format", "context parallel needs full blocks (ring attention takes no padding "
                         "mask) and conversations are padded, one per block.",
                         "train conversations with ddp, fsdp, zero1-3, pipeline, tp or sp.")
+    resolve_packing(cfg, data_format)
+
+
+def resolve_packing(cfg: RunConfig, data_format: str) -> None:
+    """``data.packing`` from ``auto`` to the mode the formats and strategy call for, then the support
+    table's refusals (strategy, attention implementation)."""
+    d = cfg.data
+    d.packing = support.resolve_packing(cfg.strategy.strategy, data_format, d.packing)
+    if d.packing == "concat" and "messages" in data_format.split("+"):
+        raise HftkError("data.packing", "concat would join conversations so that each attends to the one before it.",
+                        "use --packing bfd (whole conversations kept apart) or none (one per row).")
+    support.check_packing(cfg.strategy.strategy, d.packing, cfg.model.attn_implementation)
+    if d.pad_to_multiple_of is not None and d.pad_to_multiple_of < 1:
+        raise HftkError("data.pad_to_multiple_of", f"must be a positive number of tokens, got {d.pad_to_multiple_of}.",
+                        "pass e.g. 8, or leave it unset.")

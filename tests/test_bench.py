@@ -25,6 +25,7 @@ REDUCED = [
     "--set", "pipeline.steps=2", "--set", "pipeline.warmup=1", "--set", "pipeline.microbatches=2,4",
     "--set", "pipeline.n_layer=4", "--set", "pipeline.n_embd=64",
     "--set", "memory.steps=2", "--set", "memory.strategies=ddp,fsdp",
+    "--set", "data.examples=40", "--set", "data.min_words=4", "--set", "data.max_words=40",
 ]
 
 
@@ -76,6 +77,9 @@ def test_every_figure_is_a_finite_measured_number(report):
     assert overhead["throughput_ratio"]["median"] > 0 and overhead["cpu_ratio"]["median"] > 0
     batch = benches["batch"]["strategies"]["ddp"]
     assert batch["largest_micro_batch"] == 4 and batch["best_pair"]["micro_batch"] * batch["best_pair"]["accumulation"] == 4
+    data = benches["data"]["modes"]
+    assert data["bfd"]["padding_share"] == 0 < data["none"]["padding_share"] < data["pad-to-block"]["padding_share"]
+    assert data["none"]["eval_loss"] == pytest.approx(data["pad-to-block"]["eval_loss"], abs=1e-5)  # padding is exact
 
 
 @pytest.mark.slow
@@ -96,6 +100,7 @@ def test_bench_runs_are_monitored_on_every_rank(report):
     (["bench", "all", "--only", "scaling,nope"], "--only"),
     (["bench", "batch", "--global_batch", "7", "--nproc", "2"], "bench.global_batch"),
     (["bench", "scaling", "--", "--blok_size", "64"], "--blok_size"),
+    (["bench", "data", "--min_words", "10", "--max_words", "50"], "--max_words"),
 ])
 def test_bad_bench_options_are_one_clear_line(args, field, tmp_path, capsys):
     from hftk.cli import main

@@ -13,7 +13,8 @@ from hftk.modeling import load_tokenizer
 from hftk.run import prepare
 
 TINY = ["--model_name_or_path", "builtin:gpt2-tiny", "--block_size", "256", "--eval_fraction", "0"]
-CHAT = [*TINY, "--chat_template", "chatml"]
+# One conversation per row (packing none) so rows can be read one by one; bfd is tests/test_packing.py's.
+CHAT = [*TINY, "--chat_template", "chatml", "--packing", "none"]
 
 
 def write_jsonl(path, rows):
@@ -39,14 +40,18 @@ def labelled_text(tokenizer, row) -> str:
     return tokenizer.decode(ids)
 
 
-def test_messages_are_detected_padded_one_per_block_and_labelled_on_assistant_turns(tmp_path):
+def test_messages_are_detected_padded_per_batch_and_labelled_on_assistant_turns(tmp_path):
+    from hftk.data import collator
+
     data = write_jsonl(tmp_path / "chat.jsonl", [chat_row(system="Sei kurz.", turns=2), chat_row(answer="Ja — 是的.")])
     p, tokenizer, train = blocks([*CHAT, "--dataset", data], tmp_path)
     assert p.data_format == "messages" and len(train) == 2  # never packed across conversations
     assert labelled_text(tokenizer, train[0]) == "Gott schuf ihn, sagt die Schrift. 0<|im_end|>Gott schuf ihn, sagt die Schrift. 1<|im_end|>"
     assert labelled_text(tokenizer, train[1]) == "Ja — 是的. 0<|im_end|>"
-    assert train[1]["attention_mask"].sum() < 256  # padded, padding unlabelled
-    assert (train[1]["labels"][train[1]["attention_mask"] == 0] == IGNORE_INDEX).all()
+    batch = collator(p.cfg.data, tokenizer.pad_token_id)([train[0], train[1]])
+    assert batch["input_ids"].shape[1] == len(train[0]["input_ids"]) < 256  # padded to the batch's longest
+    assert batch["attention_mask"][1].sum() == len(train[1]["input_ids"])  # padding unlabelled
+    assert (batch["labels"][1][batch["attention_mask"][1] == 0] == IGNORE_INDEX).all()
 
 
 def test_train_on_prompt_labels_the_prompt_turns(tmp_path):
@@ -67,7 +72,7 @@ def test_sharegpt_is_converted_to_messages(tmp_path):
 def test_alpaca_becomes_prompt_completion_without_a_template_and_messages_with_one(tmp_path):
     rows = [{"instruction": "Translate.", "input": "Himmel", "output": "heaven"}, {"instruction": "Say hi.", "output": "hi"}]
     data = write_jsonl(tmp_path / "alpaca.jsonl", rows)
-    p, tokenizer, train = blocks([*TINY, "--dataset", data, "--packing", "false"], tmp_path)
+    p, tokenizer, train = blocks([*TINY, "--dataset", data, "--packing", "none"], tmp_path)
     assert p.data_format == "prompt_completion"
     assert "### Input:\nHimmel" in p.raw["train"][0]["prompt"] and "### Input" not in p.raw["train"][1]["prompt"]
     assert labelled_text(tokenizer, train[0]) == "heaven" + tokenizer.eos_token
@@ -106,12 +111,12 @@ def test_several_datasets_concatenated_or_interleaved_and_recorded(tmp_path):
 
     a = write_jsonl(tmp_path / "a.jsonl", [chat_row(answer=f"A{i}.") for i in range(6)])
     b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"In the beginning {i} was the word."} for i in range(6)])
-    p, _, train = blocks([*CHAT, "--dataset", f"{a},{b}", "--packing", "false"], tmp_path)
+    p, _, train = blocks([*CHAT, "--dataset", f"{a},{b}"], tmp_path)
     assert p.data_format == "messages+text" and len(train) == 12
     yaml_path = tmp_path / "run.yaml"
     yaml_path.write_text(f"data:\n  datasets:\n    - {{path: {a}, weight: 3}}\n    - {{path: {b}, format: text, weight: 1}}\n")
-    p, _, train = blocks([*CHAT, "--config", str(yaml_path), "--packing", "false"], tmp_path)
-    p2, _, train2 = blocks([*CHAT, "--config", str(yaml_path), "--packing", "false"], tmp_path)
+    p, _, train = blocks([*CHAT, "--config", str(yaml_path)], tmp_path)
+    p2, _, train2 = blocks([*CHAT, "--config", str(yaml_path)], tmp_path)
     assert [s.weight for s in p.sources] == [3.0, 1.0]
     rows = [r["input_ids"].tolist() for r in train]
     assert rows == [r["input_ids"].tolist() for r in train2]  # seeded

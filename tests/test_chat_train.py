@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 TOL = 1e-5
 CHAT = ["--chat_template", "chatml", "--block_size", "256", "--truncation", "truncate", "--max_steps", str(STEPS),
+        "--packing", "none",  # the mode every engine honours (bfd: tests/test_packing.py)
         "--eval_fraction", "0"]
 LLAMA = ["--model_name_or_path", "builtin:llama-tiny"]
 LORA = ["--lora_r", "8", "--adam_epsilon", "1e-4"]

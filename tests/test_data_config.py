@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hftk.config import SECTIONS, DataConfig, build_parser, load_config
-from hftk.data import IGNORE_INDEX, check_raw, eval_line, load_raw, tokenize_and_pack
+from hftk.data import IGNORE_INDEX, check_raw, collator, eval_line, load_raw, tokenize_and_pack
 from hftk.modeling import load_tokenizer
 from hftk.config import ModelConfig
 
@@ -54,7 +54,7 @@ def test_pad_token_is_set_when_missing(tokenizer):
 def test_prompt_tokens_are_masked_exactly(tmp_path, tokenizer):
     example = {"prompt": "Question: who made the heaven?\nAnswer:", "completion": " God made the heaven."}
     (tmp_path / "pc.jsonl").write_text(json.dumps(example) + "\n")
-    cfg = DataConfig(dataset=str(tmp_path / "pc.jsonl"), block_size=64, packing=False, eval_fraction=0)
+    cfg = DataConfig(dataset=str(tmp_path / "pc.jsonl"), block_size=64, packing="none", eval_fraction=0)
     raw = load_raw(cfg)
     fmt = check_raw(cfg, raw)
     assert fmt == "prompt_completion"
@@ -66,12 +66,14 @@ def test_prompt_tokens_are_masked_exactly(tmp_path, tokenizer):
     assert ids[:n_p] == prompt_ids
     assert labels[:n_p] == [IGNORE_INDEX] * n_p
     assert labels[n_p:n_p + n_c] == completion_ids + [tokenizer.eos_token_id]
-    assert labels[n_p + n_c:] == [IGNORE_INDEX] * (64 - n_p - n_c)  # padding is not trained on either
-    assert row["attention_mask"].tolist() == [1] * (n_p + n_c) + [0] * (64 - n_p - n_c)
+    assert len(labels) == n_p + n_c  # one example per row, unpadded: the collator pads each batch
+    batch = collator(cfg, tokenizer.pad_token_id, fixed_length=64)([row])
+    assert batch["labels"][0, n_p + n_c:].tolist() == [IGNORE_INDEX] * (64 - n_p - n_c)  # padding is not trained on
+    assert batch["attention_mask"][0].tolist() == [1] * (n_p + n_c) + [0] * (64 - n_p - n_c)
 
 
 def test_packing_makes_full_blocks_and_holds_out_eval(tokenizer):
-    cfg = DataConfig(block_size=32, max_train_samples=400, eval_fraction=0.1)
+    cfg = DataConfig(block_size=32, packing="concat", max_train_samples=400, eval_fraction=0.1)
     raw = load_raw(cfg)
     data = tokenize_and_pack(cfg, raw, tokenizer, check_raw(cfg, raw), seed=0)
     assert len(data.train) > 10 and data.eval is not None and len(data.eval) > 0
@@ -81,7 +83,7 @@ def test_packing_makes_full_blocks_and_holds_out_eval(tokenizer):
 
 def test_max_eval_samples_caps_the_eval_blocks_after_the_split(tokenizer):
     def blocks(**cap):
-        cfg = DataConfig(block_size=32, max_train_samples=400, eval_fraction=0.1, **cap)
+        cfg = DataConfig(block_size=32, packing="concat", max_train_samples=400, eval_fraction=0.1, **cap)
         raw = load_raw(cfg)
         return cfg, tokenize_and_pack(cfg, raw, tokenizer, check_raw(cfg, raw), seed=0)
 

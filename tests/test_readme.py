@@ -43,8 +43,11 @@ def test_readme_main_command_trains_two_ranks(tmp_path):
     from hftk.data import check_raw, load_raw, tokenize_and_pack
     from hftk.modeling import load_tokenizer
 
+    from hftk.validate import resolve_packing
+
     cfg = load_config([])
     raw = load_raw(cfg.data)
+    resolve_packing(cfg, check_raw(cfg.data, raw))
     blocks = len(tokenize_and_pack(cfg.data, raw, load_tokenizer(cfg.model), check_raw(cfg.data, raw), 42).train)
     final_step = max(m["step"] for m in logged)
     assert final_step == 2 * -(-blocks // 16), (final_step, blocks)

@@ -383,6 +383,7 @@ def test_final_folder_reloads_with_from_pretrained_and_gives_the_reference_eval_
     from transformers import AutoModelForCausalLM
 
     from hftk.data import tokenize_and_pack
+    from hftk.data import collator
     from hftk.engine.mesh_loop import loss_sum, make_batch, token_count
     from hftk.modeling import load_tokenizer
     from hftk.run import prepare
@@ -395,7 +396,8 @@ def test_final_folder_reloads_with_from_pretrained_and_gives_the_reference_eval_
     total = tokens = 0.0
     with torch.no_grad():
         for start in range(0, len(data.eval), 8):
-            batch = make_batch(data.eval, list(range(start, min(start + 8, len(data.eval)))), "cpu")
+            batch = make_batch(data.eval, list(range(start, min(start + 8, len(data.eval)))), "cpu",
+                               collator(prepared.cfg.data, 0, fixed_length=prepared.cfg.data.block_size))
             total += float(loss_sum(reloaded, batch))
             tokens += float(token_count(batch))
     assert total / tokens == pytest.approx(_eval_loss(ref), abs=TOL)

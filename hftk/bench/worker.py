@@ -10,7 +10,8 @@ Modes (``spec["mode"]``):
   each with its peak memory (``hftk bench batch``).
 
 Each rank writes ``rank{R}.json`` into ``spec["out"]``: per optimizer step its wall time (end of
-the previous step to end of this one), its process CPU time, and the logged loss.
+the previous step to end of this one), its process CPU time, and the logged loss; ``trainer`` runs
+add the tokens this rank's batches computed / held / labelled, the peak memory and the held-out loss.
 """
 
 from __future__ import annotations
@@ -69,16 +70,38 @@ class StepClockCallback(TrainerCallback):
             self.clock.peak_mem_mb.append(float(logs["peak_mem_mb_max"]))
 
 
+class TokenCount:
+    """Wraps the run's collator: tokens computed (batch shape), real (not padding) and labelled (predicted:
+    labels after the first position not -100), over every training batch this rank built."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+        self.counts = {"computed": 0, "real": 0, "labelled": 0}
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.collate(examples)
+        ids = batch["input_ids"]
+        self.counts["computed"] += ids.numel()
+        self.counts["real"] += int(batch["attention_mask"].sum()) if "attention_mask" in batch else ids.numel()
+        self.counts["labelled"] += int((batch["labels"][..., 1:] != -100).sum())
+        return batch
+
+
 def run_trainer(argv: list[str]) -> dict[str, Any]:
-    """One training run through hftk's engine, timed step by step."""
+    """One training run through hftk's engine, timed step by step; its token counts, peak memory and,
+    when the run holds data out, the held-out loss after training."""
     from hftk.engine.trainer import build_trainer
     from hftk.run import prepare
 
-    trainer, _, _ = build_trainer(prepare(argv))
+    trainer, _, data = build_trainer(prepare(argv))
     clock = StepClock()
     trainer.add_callback(StepClockCallback(clock))
+    tokens = trainer.data_collator = TokenCount(trainer.data_collator)
     trainer.train()
-    return {"steps": clock.steps}
+    trained = dict(tokens.counts)
+    eval_loss = trainer.evaluate()["eval_loss"] if data.eval is not None else None
+    return {"steps": clock.steps, "tokens": trained, "peak_mem_mb": max(clock.peak_mem_mb, default=None),
+            "eval_loss": eval_loss}
 
 
 def run_hand_loop(argv: list[str]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from hftk import lora, strategies
 from hftk.checkpoint import (announce_resume, atomic_save, load_rng, resolve_resume, save_rng, staged_folder,
                              staging_root)
-from hftk.data import announce_eval
+from hftk.data import announce_eval, collator
 from hftk.engine.guard import check_world
 from hftk.engine.trainer import FINAL_DIR, build_training_arguments, load_data
 from hftk.hub import run_record, save_run_record, write_run_files
@@ -117,11 +117,12 @@ def run(prepared: PreparedRun) -> dict[str, float]:
     del model  # this rank keeps only its stages' modules
 
     optimizer = _make_optimizer(args, rt.params, decay_ids)
-    train_loader = _train_loader(args, data.train, topo)
+    collate = collator(cfg.data, tokenizer.pad_token_id, fixed_length=cfg.data.block_size)  # stages: fixed shapes
+    train_loader = _train_loader(args, data.train, topo, collate)
     max_steps, steps_per_epoch, epochs = _plan_steps(args, len(train_loader))
     scheduler = _make_scheduler(args, optimizer, max_steps)
     run = _start_run(prepared, args, rt, model_config, tokenizer, optimizer, scheduler, train_loader,
-                     _eval_loader(args, data.eval, topo) if data.eval is not None else None, max_steps, epochs,
+                     _eval_loader(args, data.eval, topo, collate) if data.eval is not None else None, max_steps, epochs,
                      token_flops)
     run.count_shifted, run.adapter = count_shifted, adapter
     return _train_epochs(run, pipeline, steps_per_epoch, epochs)
@@ -172,14 +173,13 @@ def _make_scheduler(args: Any, optimizer: torch.optim.Optimizer, max_steps: int)
                          scheduler_specific_kwargs=args.lr_scheduler_kwargs)
 
 
-def _train_loader(args: Any, dataset: Any, topo: Any) -> Any:
+def _train_loader(args: Any, dataset: Any, topo: Any, collate: Any) -> Any:
     """The Trainer's train loader, sharded over data-parallel replicas instead of all ranks."""
     from accelerate.data_loader import prepare_data_loader
     from torch.utils.data import DataLoader, RandomSampler
-    from transformers import default_data_collator
 
     loader = DataLoader(dataset, batch_size=args.per_device_train_batch_size, sampler=RandomSampler(dataset),
-                        collate_fn=default_data_collator, drop_last=args.dataloader_drop_last,
+                        collate_fn=collate, drop_last=args.dataloader_drop_last,
                         num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
     acc = args.accelerator_config
     return prepare_data_loader(loader, device=None, num_processes=topo.dp_size, process_index=topo.dp_rank,
@@ -188,13 +188,12 @@ def _train_loader(args: Any, dataset: Any, topo: Any) -> Any:
                                data_seed=args.data_seed)
 
 
-def _eval_loader(args: Any, dataset: Any, topo: Any) -> Any:
+def _eval_loader(args: Any, dataset: Any, topo: Any, collate: Any) -> Any:
     """Each replica evaluates its own contiguous shard; losses and token counts are summed after."""
     from torch.utils.data import DataLoader
-    from transformers import default_data_collator
 
     shard = dataset.shard(num_shards=topo.dp_size, index=topo.dp_rank, contiguous=True)
-    return DataLoader(shard, batch_size=args.per_device_eval_batch_size, collate_fn=default_data_collator)
+    return DataLoader(shard, batch_size=args.per_device_eval_batch_size, collate_fn=collate)
 
 
 def _plan_steps(args: Any, batches_per_epoch: int) -> tuple[int, int, int]:

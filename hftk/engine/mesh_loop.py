@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from hftk import strategies
 from hftk.checkpoint import announce_resume, resolve_resume
-from hftk.data import IGNORE_INDEX, announce_eval
+from hftk.data import IGNORE_INDEX, announce_eval, collator
 from hftk.engine.guard import check_world
 from hftk.engine.trainer import load_data
 from hftk.errors import HftkError
@@ -102,9 +102,10 @@ def rank_slice(indices: list[int], micro: int, rank: int) -> list[int]:
     return indices[rank * micro:(rank + 1) * micro]
 
 
-def make_batch(dataset: Any, indices: list[int], device: str) -> dict[str, torch.Tensor]:
-    """Model inputs plus ``shift_labels`` (the next token per position; -100 where none)."""
-    rows = dataset[indices]
+def make_batch(dataset: Any, indices: list[int], device: str, collate: Any) -> dict[str, torch.Tensor]:
+    """Model inputs plus ``shift_labels`` (the next token per position; -100 where none); ``collate`` is
+    :func:`hftk.data.collator` at ``block_size`` (every rank and shard sees the same shape)."""
+    rows = collate([dataset[i] for i in indices])
     input_ids = rows["input_ids"].to(device)
     labels = rows["labels"].to(device)
     batch = {
@@ -230,7 +231,8 @@ def train_step(layout: MeshLayout, micro_batches: list[dict[str, torch.Tensor]],
 
 
 @torch.no_grad()
-def evaluate(layout: MeshLayout, dataset: Any, batch_size: int, device: str, preemption: PreemptionSignal) -> float:
+def evaluate(layout: MeshLayout, dataset: Any, batch_size: int, device: str, preemption: PreemptionSignal,
+             collate: Any) -> float:
     """Mean next-token loss over every eval sample exactly once, in eval mode.
 
     Every rank runs the same number of forwards (sharded layouts need all ranks in each
@@ -246,7 +248,7 @@ def evaluate(layout: MeshLayout, dataset: Any, batch_size: int, device: str, pre
     for start in preemptible(range(0, n, span), preemption, device):
         chunk = list(range(start, min(start + span, n)))
         mine = rank_slice(chunk, batch_size, layout.data_rank)
-        batch = make_batch(dataset, mine or chunk[:1], device)
+        batch = make_batch(dataset, mine or chunk[:1], device, collate)
         if not mine:
             batch["shift_labels"].fill_(IGNORE_INDEX)
         batch = layout.shard_batch(batch)
@@ -376,6 +378,7 @@ def run(prepared: PreparedRun) -> dict[str, float]:
     seed = args.seed
     set_seed(seed)
     tokenizer, data = load_data(prepared, SimpleNamespace(seed=seed, main_process_first=main_process_first))
+    collate = collator(cfg.data, tokenizer.pad_token_id, fixed_length=cfg.data.block_size)
     model = load_model(cfg.model).to(device)
     if t.get("gradient_checkpointing") or t.get("activation_checkpointing"):
         # each decoder block recomputed in backward; non-reentrant, the form FSDP2 and DTensors support
@@ -441,7 +444,8 @@ def run(prepared: PreparedRun) -> dict[str, float]:
                 break
             started = time.perf_counter()
             span = micro * layout.data_size
-            micro_batches = [make_batch(data.train, rank_slice(indices[i:i + span], micro, layout.data_rank), device)
+            micro_batches = [make_batch(data.train, rank_slice(indices[i:i + span], micro, layout.data_rank), device,
+                                        collate)
                              for i in range(0, len(indices), span)]
             lr = scheduler.get_last_lr()[0]
             monitor.step_begin(step + 1)
@@ -469,7 +473,8 @@ def run(prepared: PreparedRun) -> dict[str, float]:
             if (stop is None and data.eval is not None and t.get("eval_strategy") == "steps"
                     and step % args.eval_steps == 0):
                 try:
-                    result.update(_log_eval(layout, data.eval, args, device, step, steps_per_epoch, reporter, signal))
+                    result.update(_log_eval(layout, data.eval, args, device, step, steps_per_epoch, reporter, signal,
+                                            collate))
                     evaluated_at = step
                 except EvaluationInterrupted as interrupted:
                     stop, reason = EXIT_PREEMPTED, f"preempted ({interrupted}) during evaluation"
@@ -484,7 +489,7 @@ def run(prepared: PreparedRun) -> dict[str, float]:
                                                               "lifetime_peak": lifetime_peak})})
     if data.eval is not None and evaluated_at != step:
         try:
-            result.update(_log_eval(layout, data.eval, args, device, step, steps_per_epoch, reporter, signal))
+            result.update(_log_eval(layout, data.eval, args, device, step, steps_per_epoch, reporter, signal, collate))
         except EvaluationInterrupted as interrupted:
             save(step)
             _exit(EXIT_PREEMPTED, step, cfg.output_dir, f"preempted ({interrupted}) during evaluation")
@@ -524,8 +529,8 @@ def _log_window(reporter: Reporter, window: list[dict[str, float]], step: int, s
 
 
 def _log_eval(layout: MeshLayout, dataset: Any, t: SimpleNamespace, device: str, step: int, steps_per_epoch: int,
-              reporter: Reporter, preemption: PreemptionSignal) -> dict[str, float]:
-    loss = evaluate(layout, dataset, t.per_device_eval_batch_size, device, preemption)
+              reporter: Reporter, preemption: PreemptionSignal, collate: Any) -> dict[str, float]:
+    loss = evaluate(layout, dataset, t.per_device_eval_batch_size, device, preemption, collate)
     record = {"step": step, "epoch": step / steps_per_epoch, "eval_loss": loss,
               "eval_perplexity": math.exp(min(loss, 50.0))}
     reporter.log(record)

@@ -17,7 +17,7 @@ from hftk import lora, strategies
 from hftk.checkpoint import announce_resume, install_atomic_checkpoints, resolve_resume, staged_folder
 from hftk.comm.callback import CompressionCallback
 from hftk.comm.register import is_active as comm_active
-from hftk.data import announce_eval, tokenize_sources
+from hftk.data import announce_eval, collator, tokenize_sources
 from hftk.engine.guard import WorldGuard, check_world
 from hftk.errors import HftkError
 from hftk.memory import ModelStateCallback
@@ -39,10 +39,13 @@ def build_training_arguments(prepared: PreparedRun, extra: dict[str, Any]) -> An
     kwargs = {**cfg.training, **extra}
     kwargs.setdefault("use_cpu", not torch.cuda.is_available())
     kwargs.setdefault(_checkpointing_kwargs_field(), {"use_reentrant": False})  # reentrant breaks DDP + LoRA
-    if prepared.data_format == "text" and cfg.data.packing:
+    if prepared.data_format == "text" and cfg.data.packing == "concat":
         # Packed text: every block's labels are all real tokens, so every rank counts the same number
         # and the Trainer's per-step all-reduce of token counts (a sync point) changes nothing.
         kwargs.setdefault("average_tokens_across_devices", False)
+    if cfg.data.packing == "bfd":
+        # The collator needs each row's seq_lengths, a column the model's forward signature does not name.
+        kwargs["remove_unused_columns"] = False
     if not prepared.has_eval:
         kwargs["eval_strategy"] = "no"
     kwargs["push_to_hub"] = False  # hftk.hub pushes (card, retries, background); the Trainer would push twice
@@ -123,7 +126,7 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
 
     ``hftk bench`` builds several Trainers in one process group with it (no final save, no teardown).
     """
-    from transformers import Trainer, default_data_collator
+    from transformers import Trainer
 
     cfg = prepared.cfg
     strategy = strategies.get(cfg.strategy.strategy)
@@ -138,7 +141,7 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     make_trainer = strategy.trainer_factory(cfg) if hasattr(strategy, "trainer_factory") else Trainer
     trainer = make_trainer(
         model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
-        data_collator=default_data_collator, processing_class=tokenizer,
+        data_collator=collator(cfg.data, tokenizer.pad_token_id), processing_class=tokenizer,
     )
     for callback in run_callbacks(prepared, trainer, strategy):
         trainer.add_callback(callback)

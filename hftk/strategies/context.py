@@ -32,6 +32,7 @@ import torch
 
 from hftk.config import RunConfig
 from hftk.errors import HftkError
+from hftk.support import check_packing
 
 ATTENTION = "hftk_ring"  # transformers attention implementation registered by :func:`register_attention`
 SEQUENCE_KEYS = ("input_ids", "position_ids", "shift_labels")
@@ -42,9 +43,8 @@ DROPOUT_FIELDS = ("attn_pdrop", "attention_dropout")
 
 def validate(cfg: RunConfig, model_config: Any, cp: int, device: str) -> None:
     """What ring attention needs of the model, the data and torch; before any process group."""
-    if not cfg.data.packing:
-        raise HftkError("data.packing", "context parallel needs full blocks: ring attention takes no padding mask.",
-                        "keep data.packing on (the default).")
+    if cfg.data.packing not in ("auto", "concat"):  # auto: resolved (and refused if not concat) with the data
+        check_packing("cp", cfg.data.packing, cfg.model.attn_implementation)
     if cfg.data.block_size % (2 * cp):
         raise HftkError("data.block_size", f"{cfg.data.block_size} tokens do not split into {2 * cp} equal chunks "
                         f"(2 x cp_size, for causal load balancing).", f"choose a block_size divisible by {2 * cp}.")

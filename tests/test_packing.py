@@ -1,0 +1,203 @@
+"""Packing that keeps examples apart (``data.packing bfd``), dynamic padding (``none``), and where each
+strategy stands (``hftk.support.PACKING_SUPPORT``).
+
+The exactness checks run in-process on small models of every family made from their default configs
+(``tests/test_matrix.make_family``): the logits of an example packed among others by best-fit
+decreasing equal those of the same example run alone, and the packed loss equals the token-weighted
+mean of the examples' own losses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hftk.chat import IGNORE_INDEX
+from hftk.config import DataConfig
+from hftk.data import collator, rows
+from tests.test_matrix import make_family
+
+FAMILIES = ("gpt2", "llama", "qwen2", "gpt_neox", "mistral")
+LENGTHS = (5, 31, 12, 3, 20, 9, 17, 2, 26, 8)  # whole examples, block 32: several share a block
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {f: make_family(f, root / f) for f in FAMILIES}
+
+
+def examples(vocab: int, prompt: int = 0) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n in LENGTHS:
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": [IGNORE_INDEX] * min(prompt, n - 1) + ids[min(prompt, n - 1):]})
+    return out
+
+
+def dataset(items: list[dict[str, list[int]]]):
+    import datasets
+
+    return datasets.Dataset.from_list(items)
+
+
+def alone(model, ex: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Logits, summed loss and labelled-token count of one example run by itself (no padding, no mask)."""
+    ids = torch.tensor([ex["input_ids"]])
+    logits = model(input_ids=ids, use_cache=False).logits[0]
+    labels = torch.tensor(ex["labels"][1:])
+    loss = torch.nn.functional.cross_entropy(logits[:-1], labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return logits, loss, int((labels != IGNORE_INDEX).sum())
+
+
+# sdpa for every family; eager where the attention code differs most (GPT-2's own, Llama's shared one).
+@pytest.mark.parametrize("family,attn", [*((f, "sdpa") for f in FAMILIES), ("gpt2", "eager"), ("llama", "eager")])
+def test_bfd_example_equals_the_example_alone(models, family, attn):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(models[family], attn_implementation=attn).eval()
+    items = examples(model.config.vocab_size, prompt=2)
+    cfg = DataConfig(packing="bfd", block_size=32)
+    packed = rows(dataset(items), "bfd", 32, "prompt_completion")
+    assert len(packed) < len(items) and all(len(r) <= 32 for r in packed["input_ids"])
+    assert sorted(n for r in packed["seq_lengths"] for n in r) == sorted(LENGTHS)  # every example whole
+    batch = collator(cfg, pad_id=0)([packed[i] for i in range(len(packed))])
+    assert batch["input_ids"].shape == (1, sum(LENGTHS))  # one padding-free row
+    with torch.no_grad():
+        out = model(**batch)  # eval mode: without use_cache=False a cache would join the examples
+        flat = out.logits[0]
+        total, count, start = 0.0, 0, 0
+        by_ids = {tuple(e["input_ids"]): e for e in items}
+        for pos in (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [flat.shape[0]]:
+            if pos == 0:
+                continue
+            ex = by_ids[tuple(batch["input_ids"][0, start:pos].tolist())]
+            logits, loss, n = alone(model, ex)
+            torch.testing.assert_close(flat[start:pos], logits, atol=1e-5, rtol=0)
+            total, count, start = total + loss, count + n, pos
+    assert count == int((batch["labels"][0, 1:] != IGNORE_INDEX).sum())  # no label predicts a next example
+    assert out.loss.item() == pytest.approx(total.item() / count, abs=1e-5)
+
+
+def test_dynamic_padding_gives_the_block_padded_loss_on_fewer_tokens(models):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(models["llama"]).eval()
+    items = examples(model.config.vocab_size, prompt=2)
+    per_row = rows(dataset(items), "none", 32, "prompt_completion")
+    cfg = DataConfig(packing="none", block_size=32, pad_to_multiple_of=8)
+    losses, tokens = {}, {}
+    for name, collate in {"dynamic": collator(cfg, pad_id=0), "block": collator(cfg, pad_id=0, fixed_length=32)}.items():
+        total = count = computed = 0
+        for start in range(0, len(per_row), 4):  # batches of 4: lengths 5..31
+            batch = collate([per_row[i] for i in range(start, min(start + 4, len(per_row)))])
+            n = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+            with torch.no_grad():
+                total, count = total + model(**batch).loss.item() * n, count + n
+            computed += batch["input_ids"].numel()
+            assert batch["input_ids"].shape[1] % 8 == 0
+        losses[name], tokens[name] = total / count, computed
+    assert losses["dynamic"] == pytest.approx(losses["block"], abs=1e-6)
+    assert tokens["dynamic"] < tokens["block"] == 32 * len(LENGTHS)
+
+
+def chat_data(tmp_path) -> str:
+    import json
+
+    rows_ = [{"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": "Yes." * i}]}
+             for i in range(1, 9)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    return str(path)
+
+
+CHAT = ["--model_name_or_path", "builtin:gpt2-tiny", "--chat_template", "chatml", "--block_size", "128",
+        "--eval_fraction", "0"]
+
+
+@pytest.mark.parametrize("args,packing", [
+    ([], "bfd"),  # conversations under a Trainer strategy
+    (["--strategy", "pipeline", "--pp_size", "2"], "none"),  # the pipeline cuts batches by row
+    (["--packing", "none", "--pad_to_multiple_of", "8"], "none"),
+])
+def test_auto_packing_resolves_by_format_and_strategy(tmp_path, monkeypatch, args, packing):
+    from hftk.run import prepare
+    from tests.test_matrix import TWO_RANKS
+
+    for key, value in TWO_RANKS.items():
+        monkeypatch.setenv(key, value)
+    p = prepare([*CHAT, "--dataset", chat_data(tmp_path), *args, "--output_dir", str(tmp_path / "o")])
+    assert p.cfg.data.packing == packing and all(s.cfg.packing == packing for s in p.sources)
+    text = prepare(["--model_name_or_path", "builtin:gpt2-tiny", "--output_dir", str(tmp_path / "t")])
+    assert text.cfg.data.packing == "concat"
+
+
+@pytest.mark.parametrize("args,field,words", [
+    (["--strategy", "pipeline", "--pp_size", "2", "--packing", "bfd"], "data.packing", "strategy pipeline"),
+    (["--strategy", "tp", "--tp_size", "2", "--packing", "bfd"], "data.packing", "strategy tp"),
+    (["--strategy", "sp", "--sp_size", "2", "--packing", "bfd"], "data.packing", "strategy sp"),
+    (["--strategy", "cp", "--cp_size", "2", "--packing", "bfd"], "data.packing", "ring attention"),
+    (["--packing", "bfd", "--attn_implementation", "flex_attention"], "model.attn_implementation", "flex_attention"),
+    (["--packing", "concat"], "data.packing", "attends to the one before"),
+    (["--packing", "none", "--pad_to_multiple_of", "0"], "data.pad_to_multiple_of", "positive"),
+])
+def test_packing_a_strategy_cannot_honour_is_refused_before_launch(tmp_path, monkeypatch, args, field, words):
+    from hftk.errors import HftkError
+    from hftk.run import prepare
+    from tests.test_matrix import TWO_RANKS
+
+    for key, value in TWO_RANKS.items():
+        monkeypatch.setenv(key, value)
+    model = ["--model_name_or_path", "builtin:llama-tiny"] if "--strategy" in args and args[1] in ("sp", "cp", "tp") else []
+    with pytest.raises(HftkError) as err:
+        prepare([*CHAT, *model, "--dataset", chat_data(tmp_path), *args, "--output_dir", str(tmp_path / "o")])
+    assert err.value.field == field and words in err.value.problem
+
+
+def varied_conversations(path, n: int = 48) -> str:
+    """Conversations of 20..~230 tokens (gpt2-tiny's tokenizer): bfd puts several in one block."""
+    import json
+
+    rows_ = [{"messages": [{"role": "user", "content": f"Say {i}: " + "and the light " * (i * 7 % 23)},
+                           {"role": "assistant", "content": "It was good. " * (1 + i * 5 % 13)}]} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_bfd_trains_on_two_ranks_with_one_process_losses_and_resumes_exactly(tmp_path):
+    """Every Trainer engine family (DDP, FSDP2, ZeRO-3, LoRA under DDP) under bfd on 2 gloo ranks
+    gives the per-step losses of one process (2 x 2 packed rows = 4 rows per step either way, 4 steps
+    inside the first epoch: an epoch's short last batch is filled with repeated rows on 2 ranks), and a
+    run resumed from its step-2 checkpoint logs the uninterrupted run's steps 3-4 (the packed order is
+    part of the data position). One 2-rank launch runs every cell (tests/workers/matrix_cells.py)."""
+    import json
+
+    from tests.helpers import ROOT, TINY_ARGS, finetune, losses, metrics, torchrun
+
+    data = varied_conversations(tmp_path / "chat.jsonl", n=64)
+    common = [*TINY_ARGS, "--chat_template", "chatml", "--dataset", data, "--block_size", "256",
+              "--packing", "bfd", "--eval_fraction", "0", "--max_steps", "4", "--max_train_samples", "64"]
+    lora = ["--lora_r", "8", "--adam_epsilon", "1e-4"]
+    for name, extra in {"single": [], "lora_single": lora}.items():
+        finetune(1, [*common, *extra, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / name)])
+    two = {"ddp": ["--save_strategy", "steps", "--save_steps", "2"], "fsdp": ["--strategy", "fsdp"],
+           "zero3": ["--strategy", "zero3"], "lora_ddp": lora,
+           "resumed": ["--resume_from_checkpoint", str(tmp_path / "ddp" / "checkpoint-2")]}
+    spec = tmp_path / "cells.json"
+    spec.write_text(json.dumps({"out": str(tmp_path), "cells": [
+        {"name": name, "argv": [*common, *extra, "--per_device_train_batch_size", "2", "--output_dir",
+                                str(tmp_path / name)]} for name, extra in two.items()]}))
+    result = torchrun(2, ROOT / "tests" / "workers" / "matrix_cells.py", [str(spec)], timeout=1100)
+    assert result.returncode == 0, result.output[-6000:]
+    assert max(m["epoch"] for m in metrics(tmp_path / "single") if "loss" in m) <= 1  # 4 steps in one epoch
+    single, lora_single = losses(tmp_path / "single"), losses(tmp_path / "lora_single")
+    assert len(single) == 4
+    for name in ("ddp", "fsdp", "zero3", "lora_ddp"):
+        ref = lora_single if name.startswith("lora") else single
+        got = losses(tmp_path / name)
+        assert got.keys() == ref.keys() and all(abs(got[s] - ref[s]) < 1e-5 for s in ref), (name, got, ref)
+    resumed, uninterrupted = losses(tmp_path / "resumed"), losses(tmp_path / "ddp")
+    assert sorted(resumed) == [3, 4] and all(resumed[s] == pytest.approx(uninterrupted[s], abs=1e-6) for s in resumed)
