@@ -110,7 +110,7 @@ def engine_of(args: list[str]) -> str:
     return getattr(strategies.get(strategy), "ENGINE", "trainer")
 
 
-def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout: float = 900,
+def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout: float | None = None,
                    env: dict[str, str] | None = None, options: dict[str, dict[str, Any]] | None = None
                    ) -> dict[str, str]:
     """Several finetune runs (the tiny defaults plus each cell's args) in one launch of ``nproc``
@@ -119,7 +119,9 @@ def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout:
     launch in the order their first cell appears (a pipeline run after a mesh-loop run in one process
     group hung: tests/test_matrix.py). ``options[name]`` adds the worker's per-cell keys to cell ``name``
     (``copy``: [src, dst] copied before it).
-    Returns each cell's own output (its ranks' stdout + stderr); asserts every launch succeeded."""
+    Each launch gets ``timeout`` s, by default 600 plus 150 per run (a single run had 600; DeepSpeed's
+    first use on a machine builds its C++ ops for minutes). Returns each cell's own output (its ranks'
+    stdout + stderr); asserts every launch succeeded."""
     outputs: dict[str, str] = {}
     engines = list(dict.fromkeys(engine_of(args) for args in cells.values()))
     for engine in engines:
@@ -130,7 +132,7 @@ def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout:
         spec.write_text(json.dumps({"out": str(logs), "capture": True, "cells": [
             {"name": name, "argv": [*TINY_ARGS, *args], **(options or {}).get(name, {})}
             for name, args in group.items()]}, default=str))
-        result = torchrun(nproc, CELLS, [str(spec)], timeout=timeout, env=env)
+        result = torchrun(nproc, CELLS, [str(spec)], timeout=timeout or 600 + 150 * len(group), env=env)
         for name in group:
             outputs[name] = "".join(p.read_text(errors="replace") for p in sorted((logs / "logs").glob(f"{name}.rank*.log")))
         if result.returncode != 0:
