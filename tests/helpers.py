@@ -107,6 +107,8 @@ def engine_of(args: list[str]) -> str:
     from hftk import strategies
 
     strategy = args[args.index("--strategy") + 1] if "--strategy" in args else "ddp"
+    if strategy == "auto":  # the plan picks among the Trainer's strategies (hftk.plan.PLAN_STRATEGIES)
+        return "trainer"
     return getattr(strategies.get(strategy), "ENGINE", "trainer")
 
 
@@ -118,7 +120,7 @@ def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout:
     10-40 s of imports and process-group start-up, so a test needing many runs shares them. Engines
     launch in the order their first cell appears (a pipeline run after a mesh-loop run in one process
     group hung: tests/test_matrix.py). ``options[name]`` adds the worker's per-cell keys to cell ``name``
-    (``copy``: [src, dst] copied before it).
+    (``copy``: [src, dst] copied before it; ``env``: variables it runs with; ``memory_out``: measure memory).
     Each launch gets ``timeout`` s, by default 600 plus 150 per run (a single run had 600; DeepSpeed's
     first use on a machine builds its C++ ops for minutes). Returns each cell's own output (its ranks'
     stdout + stderr); asserts every launch succeeded."""

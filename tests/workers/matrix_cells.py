@@ -13,7 +13,9 @@ a crash stops the launch with the cell's name on stderr.
 Optional per spec / cell, for tests that read a run's own output or continue an earlier cell:
 ``"capture": true`` sends each cell's stdout and stderr (file descriptors, so C++ and logging output
 too) to ``DIR/logs/NAME.rankR.log``; a cell's ``"copy": [SRC, DST]`` copies a folder (rank 0) before
-the cell starts, e.g. an earlier cell's checkpoint into a resuming cell's output folder.
+the cell starts, e.g. an earlier cell's checkpoint into a resuming cell's output folder; ``"env"``
+adds variables for the cell alone (e.g. what ``accelerate launch`` of a strategy's YAML sets);
+``"memory_out": FILE`` trains with ``hftk bench memory``'s probe and writes its record there instead.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 
-def run_cell(argv: list[str]) -> None:
+def run_cell(argv: list[str], env: dict[str, str] | None = None, memory_out: str | None = None) -> None:
     from accelerate.state import AcceleratorState, GradientState
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -42,8 +44,15 @@ def run_cell(argv: list[str]) -> None:
     GradientState._reset_state()
     unset_hf_deepspeed_config()  # the last ZeRO-3 cell's config would make every from_config partition
     launch_env = dict(os.environ)
+    os.environ.update(env or {})
     try:
         prepared = prepare(argv)
+        if memory_out:  # what `hftk bench memory` measures, without its teardown
+            from hftk.bench.memory_worker import measure
+            from hftk.engine.trainer import build_trainer
+
+            measure(build_trainer(prepared)[0], prepared.cfg.strategy.strategy, Path(memory_out))
+            return
         engine = getattr(strategies.get(prepared.cfg.strategy.strategy), "ENGINE", "trainer")
         importlib.import_module(f"hftk.engine.{engine}").run(prepared)
     finally:
@@ -90,7 +99,7 @@ def main(spec_path: str) -> int:
         capture = captured(out / "logs" / f"{cell['name']}.rank{rank}.log") if spec.get("capture") else nullcontext()
         try:
             with capture:
-                run_cell(cell["argv"])
+                run_cell(cell["argv"], cell.get("env"), cell.get("memory_out"))
         except BaseException:
             print(f"matrix cell {cell['name']} crashed", file=sys.stderr, flush=True)
             raise
