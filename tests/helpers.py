@@ -19,6 +19,7 @@ from hftk.bench.launch import free_port, torchrun_command  # noqa: F401 (free_po
 
 ROOT = Path(__file__).resolve().parents[1]
 FINETUNE = ROOT / "scripts" / "finetune.py"
+CELLS = ROOT / "tests" / "workers" / "matrix_cells.py"
 
 # Small, deterministic, fast: tiny GPT-2, dropout off, constant LR, one loss per step.
 TINY_ARGS = [
@@ -92,6 +93,49 @@ def finetune(nproc: int, args: list[str], timeout: float = 300, env: dict[str, s
     result = torchrun(nproc, FINETUNE, [*TINY_ARGS, *args], timeout=timeout, env=env)
     assert result.returncode == 0, f"finetune failed ({result.returncode}):\n{result.output[-6000:]}"
     return result
+
+
+def engine_of(args: list[str]) -> str:
+    """The hftk engine module a run with ``args`` trains with (``strategies.<s>.ENGINE``)."""
+    from hftk import strategies
+
+    strategy = args[args.index("--strategy") + 1] if "--strategy" in args else "ddp"
+    if strategy == "auto":  # the plan picks among the Trainer's strategies (hftk.plan.PLAN_STRATEGIES)
+        return "trainer"
+    return getattr(strategies.get(strategy), "ENGINE", "trainer")
+
+
+def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout: float | None = None,
+                   env: dict[str, str] | None = None, options: dict[str, dict[str, Any]] | None = None
+                   ) -> dict[str, str]:
+    """Several finetune runs (the tiny defaults plus each cell's args) in one launch of ``nproc``
+    processes per engine, one run after another (tests/workers/matrix_cells.py): each launch costs
+    10-40 s of imports and process-group start-up, so a test needing many runs shares them. Engines
+    launch in the order their first cell appears (a pipeline run after a mesh-loop run in one process
+    group hung: tests/test_matrix.py). ``options[name]`` adds the worker's per-cell keys to cell ``name``
+    (``copy``: [src, dst] copied before it; ``env``: variables it runs with; ``memory_out``: measure memory).
+    Each launch gets ``timeout`` s, by default 600 plus 150 per run (a single run had 600; DeepSpeed's
+    first use on a machine builds its C++ ops for minutes). Returns each cell's own output (its ranks'
+    stdout + stderr); asserts every launch succeeded."""
+    outputs: dict[str, str] = {}
+    engines = list(dict.fromkeys(engine_of(args) for args in cells.values()))
+    for engine in engines:
+        group = {name: args for name, args in cells.items() if engine_of(args) == engine}
+        logs = root / "cell-logs" / f"{nproc}-{engine}-{next(iter(group))}"
+        logs.mkdir(parents=True)
+        spec = logs / "spec.json"
+        spec.write_text(json.dumps({"out": str(logs), "capture": True, "cells": [
+            {"name": name, "argv": [*TINY_ARGS, *args], **(options or {}).get(name, {})}
+            for name, args in group.items()]}, default=str))
+        result = torchrun(nproc, CELLS, [str(spec)], timeout=timeout or 600 + 150 * len(group), env=env)
+        for name in group:
+            outputs[name] = "".join(p.read_text(errors="replace") for p in sorted((logs / "logs").glob(f"{name}.rank*.log")))
+        if result.returncode != 0:
+            crashed = [name for name in group if f"matrix cell {name} crashed" in result.output]
+            cell_out = outputs[crashed[0]][-6000:] if crashed else ""
+            raise AssertionError(f"finetune cells ({engine} engine) failed ({result.returncode}), crashed: {crashed}:"
+                                 f"\n{cell_out}\n{result.output[-4000:]}")
+    return outputs
 
 
 def metrics(output_dir: Path) -> list[dict[str, Any]]:

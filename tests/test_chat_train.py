@@ -15,9 +15,9 @@ import json
 
 import pytest
 
-from tests.helpers import finetune, load_weights, losses, max_weight_diff
+from tests.helpers import finetune_cells, load_weights, losses, max_weight_diff
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # the first test launches every run
 STEPS = 4
 TOL = 1e-5
 CHAT = ["--chat_template", "chatml", "--block_size", "256", "--truncation", "truncate", "--max_steps", str(STEPS),
@@ -45,47 +45,54 @@ def conversations() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Every run, preprocessed ones included (``hftk preprocess`` once, then a 1-process and a 2-rank ddp
+    run read its blocks instead of tokenising): the one-process runs share one launch, the 2-rank runs
+    one launch per engine (``tests.helpers.finetune_cells``). Returns (root, data, each run's output)."""
+    from hftk.cli import main as hftk
+    from tests.helpers import TINY_ARGS
+
     root = tmp_path_factory.mktemp("chat")
     data = root / "chat.jsonl"
     data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in conversations()))
     common = [*CHAT, "--dataset", str(data)]
-    single = finetune(1, [*common, "--output_dir", str(root / "single"), "--per_device_train_batch_size", "8"])
-    runs = {  # name -> (processes, options)
-        "ddp": (2, ["--per_device_train_batch_size", "4", "--save_strategy", "steps", "--save_steps", "2"]),
-        "tp": (2, ["--strategy", "tp", "--tp_size", "2", "--per_device_train_batch_size", "8"]),
-        "fsdp": (2, ["--strategy", "fsdp", "--per_device_train_batch_size", "4"]),
-        "zero1": (2, ["--strategy", "zero1", "--per_device_train_batch_size", "4"]),
-        "zero2": (2, ["--strategy", "zero2", "--per_device_train_batch_size", "4"]),
-        "zero3": (2, ["--strategy", "zero3", "--per_device_train_batch_size", "4"]),
-        "zero3_offload": (2, ["--strategy", "zero3_offload", "--per_device_train_batch_size", "4"]),
-        "pipeline": (2, ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "4",
-                         "--per_device_train_batch_size", "8"]),
-        "llama_single": (1, [*LLAMA, "--per_device_train_batch_size", "8"]),  # one process: writes llama-tiny first
-        "sp": (2, [*LLAMA, "--strategy", "sp", "--sp_size", "2", "--per_device_train_batch_size", "8"]),
-        "lora_single": (1, [*LORA, "--per_device_train_batch_size", "8"]),
-        "lora_ddp": (2, [*LORA, "--per_device_train_batch_size", "4"]),
-        "lora_fsdp": (2, [*LORA, "--strategy", "fsdp", "--per_device_train_batch_size", "4"]),
-        "lora_zero3": (2, [*LORA, "--strategy", "zero3", "--per_device_train_batch_size", "4"]),
-        "lora_pipeline": (2, [*LORA, "--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "4",
-                              "--per_device_train_batch_size", "8"]),
+    tokenized = [*common, "--tokenized_path", str(root / "tokenized")]
+    assert hftk(["preprocess", *TINY_ARGS, *tokenized, "--output_dir", str(root / "unused")]) == 0
+    single = {  # one process: llama_single writes llama-tiny before the 2-rank runs
+        "single": [*common, "--per_device_train_batch_size", "8"],
+        "llama_single": [*common, *LLAMA, "--per_device_train_batch_size", "8"],
+        "lora_single": [*common, *LORA, "--per_device_train_batch_size", "8"],
+        "tok_single": [*tokenized, "--per_device_train_batch_size", "8"],
     }
-    for name, (nproc, options) in runs.items():
-        finetune(nproc, [*common, *options, "--output_dir", str(root / name)], timeout=600)
-    return root, data, single.output
+    two = {
+        "ddp": [*common, "--per_device_train_batch_size", "4", "--save_strategy", "steps", "--save_steps", "2"],
+        "tp": [*common, "--strategy", "tp", "--tp_size", "2", "--per_device_train_batch_size", "8"],
+        "fsdp": [*common, "--strategy", "fsdp", "--per_device_train_batch_size", "4"],
+        "zero1": [*common, "--strategy", "zero1", "--per_device_train_batch_size", "4"],
+        "zero2": [*common, "--strategy", "zero2", "--per_device_train_batch_size", "4"],
+        "zero3": [*common, "--strategy", "zero3", "--per_device_train_batch_size", "4"],
+        "zero3_offload": [*common, "--strategy", "zero3_offload", "--per_device_train_batch_size", "4"],
+        "pipeline": [*common, "--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "4",
+                     "--per_device_train_batch_size", "8"],
+        "sp": [*common, *LLAMA, "--strategy", "sp", "--sp_size", "2", "--per_device_train_batch_size", "8"],
+        "lora_ddp": [*common, *LORA, "--per_device_train_batch_size", "4"],
+        "lora_fsdp": [*common, *LORA, "--strategy", "fsdp", "--per_device_train_batch_size", "4"],
+        "lora_zero3": [*common, *LORA, "--strategy", "zero3", "--per_device_train_batch_size", "4"],
+        "lora_pipeline": [*common, *LORA, "--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "4",
+                          "--per_device_train_batch_size", "8"],
+        "tok_ddp": [*tokenized, "--per_device_train_batch_size", "4"],
+    }
+    outputs = {}
+    for nproc, cells in ((1, single), (2, two)):
+        outputs.update(finetune_cells(nproc, {name: [*args, "--output_dir", str(root / name)]
+                                              for name, args in cells.items()}, root))
+    return root, data, outputs
 
 
 @pytest.fixture(scope="module")
 def from_folder(runs):
-    """hftk preprocess once, then two runs (1 process, 2 ddp ranks) read its blocks instead of tokenising."""
-    from hftk.cli import main as hftk
-    from tests.helpers import TINY_ARGS
-
-    root, data, _ = runs
-    common = [*CHAT, "--dataset", str(data), "--tokenized_path", str(root / "tokenized")]
-    assert hftk(["preprocess", *TINY_ARGS, *common, "--output_dir", str(root / "unused")]) == 0
-    one = finetune(1, [*common, "--output_dir", str(root / "tok_single"), "--per_device_train_batch_size", "8"])
-    two = finetune(2, [*common, "--output_dir", str(root / "tok_ddp"), "--per_device_train_batch_size", "4"])
-    return root, one.output + two.output
+    """The two runs that read the preprocessed folder, and their output."""
+    root, _, outputs = runs
+    return root, outputs["tok_single"] + outputs["tok_ddp"]
 
 
 @pytest.mark.parametrize("name", ["tok_single", "tok_ddp"])
@@ -128,7 +135,7 @@ def test_lora_adapter_equals_one_process(runs, name):
 
 
 def test_the_long_conversation_is_truncated_and_counted(runs):
-    _, _, output = runs
+    output = runs[2]["single"]
     assert "truncated 1, dropped 0 of 40 conversations longer than block_size 256" in output
 
 

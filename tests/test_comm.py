@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 import time
 
@@ -17,7 +16,7 @@ from hftk.comm.register import load_state, state_path
 from hftk.config import load_config
 from hftk.errors import HftkError
 from hftk.validate import check_config
-from tests.helpers import FINETUNE, ROOT, finetune, load_weights, losses, max_weight_diff, metrics, run, torchrun
+from tests.helpers import FINETUNE, ROOT, finetune_cells, load_weights, losses, max_weight_diff, metrics, run, torchrun
 from tests.netns import run_on_two_hosts
 
 HOOKS = ("none", "fp16", "bf16", "powersgd", "topk")
@@ -132,16 +131,16 @@ def test_hierarchical_allreduce_equals_flat(hierarchical):
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
     """The real Trainer path: PowerSGD over 13 buckets with gradient accumulation 2,
-    checkpoint at step 4, then a resume from a copy of that checkpoint."""
+    checkpoint at step 4, then a resume from a copy of that checkpoint (both in one launch)."""
     root = tmp_path_factory.mktemp("trainer")
     common = ["--max_steps", "8", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
               "--grad_compression", "powersgd", "--powersgd_warmup_steps", "2", "--check_sync_steps", "1",
               "--model_name_or_path", "builtin:gpt2-small", "--ddp_bucket_cap_mb", "1"]  # 15 MB of gradients
-    finetune(2, [*common, "--output_dir", str(root / "full"), "--save_strategy", "steps", "--save_steps", "4"],
-             timeout=420)
-    (root / "resumed").mkdir()
-    shutil.copytree(root / "full" / "checkpoint-4", root / "resumed" / "checkpoint-4")
-    finetune(2, [*common, "--output_dir", str(root / "resumed"), "--resume_from_checkpoint", "latest"], timeout=420)
+    finetune_cells(2, {"full": [*common, "--output_dir", str(root / "full"), "--save_strategy", "steps",
+                                "--save_steps", "4"],
+                       "resumed": [*common, "--output_dir", str(root / "resumed"), "--resume_from_checkpoint", "latest"]},
+                   root, timeout=840,
+                   options={"resumed": {"copy": [root / "full" / "checkpoint-4", root / "resumed" / "checkpoint-4"]}})
     return root
 
 

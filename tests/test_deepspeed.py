@@ -17,13 +17,15 @@ import pytest
 import torch
 
 from hftk.errors import HftkError
-from tests.helpers import TINY_ARGS, cpu_only_cases, finetune, load_weights, losses, max_weight_diff, metrics, run
+from tests.helpers import TINY_ARGS, cpu_only_cases, finetune, finetune_cells, load_weights, losses, max_weight_diff, metrics, run
 
 STEPS = 10
 CLIP = ["--max_grad_norm", "0.5"]
 CHECKPOINTS = ["--save_strategy", "steps", "--save_steps", "5"]
 ZERO = ("zero1", "zero2", "zero3", "zero3_offload")
 TIMEOUT = 600
+# The first slow test launches every run (one 2-rank launch for all of them): more than the default 900 s.
+pytestmark = pytest.mark.timeout(1800)
 
 # name -> (processes, arguments). Global batch 16 everywhere.
 RUNS = {
@@ -38,19 +40,28 @@ RUNS = {
 }
 
 
+RESUMED = ("zero1", "zero2", "zero3")  # each continued from its own checkpoint-5 to step 10
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """``launched(name)`` -> output folder of run ``name``, launched on first use only."""
+    """``launched(name)`` -> output folder of run ``name`` (``<strategy>_resume`` for the resumed runs). The
+    first use launches them all: the reference, then every 2-rank run in one launch (``finetune_cells``)."""
     root = tmp_path_factory.mktemp("deepspeed")
-    done: dict[str, Path] = {}
+    done: set[str] = set()
 
     def get(name: str) -> Path:
-        if name not in done:
-            nproc, args = RUNS[name]
-            finetune(nproc, ["--max_steps", str(STEPS), *CLIP, *args, "--output_dir", str(root / name)],
-                     timeout=TIMEOUT)
-            done[name] = root / name
-        return done[name]
+        if not done:
+            runs = {**{run: args for run, (_, args) in RUNS.items()},
+                    **{f"{s}_resume": [*RUNS[s][1], "--resume_from_checkpoint", "latest"] for s in RESUMED}}
+            cells = {run: ["--max_steps", str(STEPS), *CLIP, *args, "--output_dir", str(root / run)]
+                     for run, args in runs.items()}
+            finetune(1, cells.pop("single"), timeout=TIMEOUT)
+            finetune_cells(2, cells, root, timeout=3 * TIMEOUT, options={
+                f"{s}_resume": {"copy": [root / s / "checkpoint-5", root / f"{s}_resume" / "checkpoint-5"]}
+                for s in RESUMED})
+            done.update(RUNS, (f"{s}_resume" for s in RESUMED))
+        return root / name
 
     return get
 
@@ -104,18 +115,15 @@ def test_gradient_accumulation_equals_big_micro_batch(launched, whole, accum):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ("zero1", "zero2", "zero3"))
-def test_resume_at_step_5_is_exact(launched, strategy, tmp_path):
-    full = launched(strategy)
+@pytest.mark.parametrize("strategy", RESUMED)
+def test_resume_at_step_5_is_exact(launched, strategy):
+    full, resumed = launched(strategy), launched(f"{strategy}_resume")
     assert (full / "checkpoint-5" / "global_step5").is_dir()
-    shutil.copytree(full / "checkpoint-5", tmp_path / "checkpoint-5")
-    finetune(2, ["--max_steps", str(STEPS), *CLIP, *RUNS[strategy][1], "--output_dir", str(tmp_path),
-                 "--resume_from_checkpoint", "latest"], timeout=TIMEOUT)
-    before, after = losses(full), losses(tmp_path)
+    before, after = losses(full), losses(resumed)
     assert sorted(after) == list(range(6, STEPS + 1))
     for step in after:
         assert after[step] == pytest.approx(before[step], abs=1e-6), step
-    assert max_weight_diff(load_weights(full / "final"), load_weights(tmp_path / "final")) < 1e-6
+    assert max_weight_diff(load_weights(full / "final"), load_weights(resumed / "final")) < 1e-6
 
 
 def _reload(folder: Path):

@@ -3,7 +3,8 @@ strategy saves the complete adapter (final folder and checkpoints) equal to one 
 adapter and the merged export reload at the live eval loss, the Hub gets the adapter or the
 merged model with a card naming the base, the plan counts only the adapters, bad options fail.
 
-Launches, shared by the module fixture (tiny tied GPT-2, dropout off, r=8 on the default
+Runs, shared by the module fixture (the 2-rank runs of one engine share one launch:
+``tests.helpers.finetune_cells``) (tiny tied GPT-2, dropout off, r=8 on the default
 targets c_attn/c_proj/c_fc, 10 steps at global batch 8, clipping 1.0, checkpoints at 5 and 10,
 a final evaluation with eval batch 1 so two ranks average exactly what one process does):
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -38,7 +38,7 @@ import torch
 import yaml
 
 from tests.faults import TOKEN, hub_env
-from tests.helpers import TINY_ARGS, finetune, losses, metrics, tiny_eval_loss
+from tests.helpers import TINY_ARGS, finetune, finetune_cells, losses, metrics, tiny_eval_loss
 from tests.hub_server import HubServer
 
 STEPS = 10
@@ -59,19 +59,21 @@ RUNS = {  # name -> (processes, options besides LORA)
                      "--per_device_train_batch_size", "8", *GC]),
 }
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+pytestmark = pytest.mark.timeout(1800)  # the first slow test launches every run
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Three launches: the reference, then the runs of each engine sharing one launch (the Trainer's
+    strategies and the resume, then the pipeline loop)."""
     root = tmp_path_factory.mktemp("lora")
     with HubServer(token=TOKEN) as hub:
         finetune(1, [*LORA, "--per_device_train_batch_size", "8", "--output_dir", str(root / "single")])
-        logs = {name: finetune(nproc, [*LORA, *extra, "--output_dir", str(root / name)], timeout=600,
-                               env=hub_env(hub)).output
-                for name, (nproc, extra) in RUNS.items()}
-        shutil.copytree(root / "fsdp" / "checkpoint-5", root / "fsdp_resume" / "checkpoint-5")
-        finetune(2, [*LORA, "--strategy", "fsdp", "--per_device_train_batch_size", "4", *GC, "--output_dir",
-                     str(root / "fsdp_resume"), "--resume_from_checkpoint", "latest"], timeout=600)
+        cells = {name: [*LORA, *extra, "--output_dir", str(root / name)] for name, (_, extra) in RUNS.items()}
+        cells["fsdp_resume"] = [*LORA, "--strategy", "fsdp", "--per_device_train_batch_size", "4", *GC, "--output_dir",
+                                str(root / "fsdp_resume"), "--resume_from_checkpoint", "latest"]
+        copy = {"copy": [root / "fsdp" / "checkpoint-5", root / "fsdp_resume" / "checkpoint-5"]}
+        logs = finetune_cells(2, cells, root, env=hub_env(hub), options={"fsdp_resume": copy})
         yield root, logs, hub
 
 

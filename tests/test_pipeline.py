@@ -2,56 +2,48 @@
 one process (losses and weights, tied embeddings included), pp x dp on 4 ranks, exact resume,
 export to a standard HF folder, and clear errors before any process group.
 
-Launches are shared: one single-process Trainer reference per model, one 2-rank launch running
-all three schedules per model, one 4-rank pp x dp launch, one resume launch.
+Launches are shared (``tests.helpers.finetune_cells``): one single-process launch for the Trainer
+reference of each model, one 2-rank launch running all three schedules of both models and the
+resume, one 4-rank pp x dp launch.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import (FINETUNE, ROOT, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, metrics, run,
-                           torchrun)
+from tests.helpers import FINETUNE, TINY_ARGS, finetune_cells, load_weights, losses, max_weight_diff, metrics, run
 
-WORKER = ROOT / "tests" / "workers" / "pipeline_runs.py"
 STEPS = 5
 MODELS = {"gpt2": ["--model_name_or_path", "builtin:gpt2-tiny4"], "llama": ["--model_name_or_path", "builtin:llama-tiny"]}
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 COMMON = ["--max_steps", str(STEPS), "--per_device_train_batch_size", "8"]
 PIPE = ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "4"]
-
-
-def pipeline_runs(nproc: int, common: list[str], runs: list[list[str]], timeout: float = 600) -> None:
-    args = [*common]
-    for extra in runs:
-        args += [":::", *extra]
-    result = torchrun(nproc, WORKER, args, timeout=timeout)
-    assert result.returncode == 0, result.output[-6000:]
+pytestmark = pytest.mark.timeout(1800)  # the first slow test launches every run
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    for name, model in MODELS.items():
-        finetune(1, [*model, *COMMON, "--output_dir", str(root / f"ref-{name}")], timeout=600)
+    finetune_cells(1, {f"ref-{name}": [*model, *COMMON, "--output_dir", str(root / f"ref-{name}")]
+                       for name, model in MODELS.items()}, root)
+    two = {}
     for name, model in MODELS.items():
         save = ["--save_strategy", "steps", "--save_steps", "3"] if name == "gpt2" else []
-        pipeline_runs(2, [*TINY_ARGS, *model, *COMMON, *PIPE, *save],
-                      [["--pp_schedule", s, "--output_dir", str(root / f"{name}-{s}")] for s in SCHEDULES])
-    pipeline_runs(4, [*TINY_ARGS, *MODELS["gpt2"], *PIPE, "--max_steps", str(STEPS)],
-                  [["--per_device_train_batch_size", "4", "--pp_schedule", "1f1b", "--check_sync_steps", "1",
-                    "--output_dir", str(root / "gpt2-dp")]])
+        two.update({f"{name}-{s}": [*model, *COMMON, *PIPE, *save, "--pp_schedule", s, "--output_dir",
+                                    str(root / f"{name}-{s}")] for s in SCHEDULES})
     resumed = root / "gpt2-resumed"
-    resumed.mkdir()
-    shutil.copytree(root / "gpt2-gpipe" / "checkpoint-3", resumed / "checkpoint-3")
-    finetune(2, [*MODELS["gpt2"], *COMMON, *PIPE, "--pp_schedule", "gpipe", "--output_dir", str(resumed),
-                 "--resume_from_checkpoint", "latest"], timeout=600)
+    two["gpt2-resumed"] = [*MODELS["gpt2"], *COMMON, *PIPE, "--pp_schedule", "gpipe", "--output_dir", str(resumed),
+                           "--resume_from_checkpoint", "latest"]
+    finetune_cells(2, two, root, options={"gpt2-resumed": {"copy": [root / "gpt2-gpipe" / "checkpoint-3",
+                                                                    resumed / "checkpoint-3"]}})
+    finetune_cells(4, {"gpt2-dp": [*MODELS["gpt2"], *PIPE, "--max_steps", str(STEPS), "--per_device_train_batch_size",
+                                   "4", "--pp_schedule", "1f1b", "--check_sync_steps", "1", "--output_dir",
+                                   str(root / "gpt2-dp")]}, root)
     return root
 
 

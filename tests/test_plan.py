@@ -1,5 +1,5 @@
 """The memory plan: shapes from the meta device, per-strategy bytes within 5% of what each rank
-really holds (2 ranks, every strategy, launched through its generated YAML), `auto`, and errors."""
+really holds (2 ranks, every strategy, with what its generated YAML launches), `auto`, and errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hftk import allocator
 from hftk.builtin import builtin_model_config
 from hftk.errors import HftkError
 from hftk.plan import GIB, HEADROOM, MIB, PLAN_STRATEGIES, PlanInputs, estimate, model_shape, pick, plan, resolve_auto
-from tests.helpers import FINETUNE, ROOT, TINY_ARGS, free_port, metrics, run, torchrun
+from tests.helpers import FINETUNE, ROOT, TINY_ARGS, finetune_cells, free_port, metrics, run, torchrun
 
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 MICRO_BATCH = 4
@@ -178,26 +178,39 @@ def test_plan_bad_input_is_one_line(case, args, field, capsys):
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """One short run per strategy (2 optimizer steps, 2 ranks), each through accelerate_configs/<s>.yaml;
-    ddp's through `--strategy auto`, which must pick it for the tiny model."""
+    """One short run per strategy (2 optimizer steps, 2 ranks), each with what accelerate_configs/<s>.yaml
+    launches; ddp's through `--strategy auto`, which must pick it for the tiny model.
+
+    `accelerate launch` of each YAML starts tests/workers/launch_probe.py (2 real ranks report the strategy
+    hftk reads and hand back the ACCELERATE_* / FSDP_* variables the launch set); the six measured runs then
+    share one 2-rank launch, each cell with its YAML's variables (``finetune_cells``): a full launch per
+    strategy cost 20-60 s of start-up each."""
     root = tmp_path_factory.mktemp("plan")
-    results = {}
+    probes, options, cells = {}, {}, {}
     for strategy in PLAN_STRATEGIES:
-        extra = ["--strategy", "auto"] if strategy == "ddp" else []
+        env_out = root / f"{strategy}.env.json"
         cmd = [str(ACCELERATE), "launch", "--config_file", f"accelerate_configs/{strategy}.yaml",
-               "--main_process_port", str(free_port()), "-m", "hftk.bench.memory_worker", *TINY_ARGS,
-               "--max_steps", "2", "--per_device_train_batch_size", str(MICRO_BATCH), "--comm_profile_steps", "0",
-               "--output_dir", str(root / strategy), "--memory_out", str(root / f"{strategy}.json"), *extra]
-        launch = run(cmd, timeout=600)
+               "--main_process_port", str(free_port()), str(ROOT / "tests" / "workers" / "launch_probe.py"), str(env_out)]
+        launch = run(cmd, timeout=300)
         assert launch.returncode == 0, f"{strategy}:\n{launch.output[-5000:]}"
-        results[strategy] = (json.loads((root / f"{strategy}.json").read_text()), launch.stdout)
-    return results
+        probes[strategy] = [json.loads(line[len("PROBE "):]) for line in launch.stdout.splitlines()
+                            if line.startswith("PROBE ")]
+        options[strategy] = {"env": json.loads(env_out.read_text()), "memory_out": root / f"{strategy}.json"}
+        cells[strategy] = ["--max_steps", "2", "--per_device_train_batch_size", str(MICRO_BATCH),
+                           "--comm_profile_steps", "0", "--output_dir", str(root / strategy),
+                           *(["--strategy", "auto"] if strategy == "ddp" else [])]
+    outputs = finetune_cells(2, cells, root, options=options)
+    return {s: (json.loads((root / f"{s}.json").read_text()), outputs[s], probes[s]) for s in PLAN_STRATEGIES}
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one launches every strategy
 @pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
 def test_plan_predicts_each_ranks_model_state_within_5_percent(measured, tiny_shape, strategy):
-    record, stdout = measured[strategy]
+    record, stdout, probes = measured[strategy]
+    # the YAML's real launch: 2 ranks, each reading the YAML's strategy (ddp's says none: auto decides)
+    assert sorted(p["rank"] for p in probes) == [0, 1] and all(p["world"] == 2 and p["sum"] == 2 for p in probes)
+    assert all(p["strategy"] == (None if strategy == "ddp" else strategy) for p in probes), probes
     assert record["strategy"] == strategy and record["world_size"] == 2  # the YAML chose it, 2 real ranks
     expected = "hftk: strategy auto -> ddp" if strategy == "ddp" else f"hftk: strategy {strategy} from the launch"
     assert expected in stdout

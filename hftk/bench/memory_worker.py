@@ -113,19 +113,25 @@ def main(argv: list[str] | None = None) -> int:
     except HftkError as exc:
         print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
         return 2
+    measure(trainer, prepared.cfg.strategy.strategy, out)
+    trainer.accelerator.end_training()
+    return 0
+
+
+def measure(trainer: Any, strategy: str, out: Path) -> None:
+    """Train with the probe and write every rank's record to ``out`` (rank 0); leaves the process group
+    up, so several measurements may share a launch (tests/test_plan.py)."""
     probe = MemoryProbe(trainer)
     trainer.add_callback(probe)
     trainer.train()
     ranks = gather(probe.result())
     if trainer.args.process_index == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"strategy": prepared.cfg.strategy.strategy, "world_size": len(ranks),
+        out.write_text(json.dumps({"strategy": strategy, "world_size": len(ranks),
                                    "device": "gpu" if trainer.args.device.type == "cuda" else "cpu",
                                    "ranks": ranks}, indent=1))
     if dist.is_initialized():  # leave together: a rank tearing down gloo while its peer still writes aborts
         dist.barrier()
-    trainer.accelerator.end_training()
-    return 0
 
 
 def mesh_memory(prepared: Any, out: Path) -> int:

@@ -1,4 +1,4 @@
-"""Several matrix cells in one launch (one process group): ``matrix_cells.py SPEC.json``.
+"""Several runs in one launch (one process group, or one process): ``matrix_cells.py SPEC.json``.
 
 ``SPEC.json`` holds ``{"cells": [{"name": ..., "argv": [...]}, ...], "out": DIR}``. Each cell goes
 through ``hftk.run.prepare`` and its strategy's engine (``run``: train, save ``final/``, leave the
@@ -9,6 +9,13 @@ hyper-parameter search does the same), transformers' ZeRO-3 marker is dropped, a
 cell's launcher asking for DeepSpeed), so each cell builds its accelerator, DeepSpeed plugin
 included, from its own config. Rank 0 appends one JSON line per finished cell to ``DIR/cells.jsonl``;
 a crash stops the launch with the cell's name on stderr.
+
+Optional per spec / cell, for tests that read a run's own output or continue an earlier cell:
+``"capture": true`` sends each cell's stdout and stderr (file descriptors, so C++ and logging output
+too) to ``DIR/logs/NAME.rankR.log``; a cell's ``"copy": [SRC, DST]`` copies a folder (rank 0) before
+the cell starts, e.g. an earlier cell's checkpoint into a resuming cell's output folder; ``"env"``
+adds variables for the cell alone (e.g. what ``accelerate launch`` of a strategy's YAML sets);
+``"memory_out": FILE`` trains with ``hftk bench memory``'s probe and writes its record there instead.
 """
 
 from __future__ import annotations
@@ -16,14 +23,17 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch.distributed as dist
 
 
-def run_cell(argv: list[str]) -> None:
+def run_cell(argv: list[str], env: dict[str, str] | None = None, memory_out: str | None = None) -> None:
     from accelerate.state import AcceleratorState, GradientState
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -34,8 +44,15 @@ def run_cell(argv: list[str]) -> None:
     GradientState._reset_state()
     unset_hf_deepspeed_config()  # the last ZeRO-3 cell's config would make every from_config partition
     launch_env = dict(os.environ)
+    os.environ.update(env or {})
     try:
         prepared = prepare(argv)
+        if memory_out:  # what `hftk bench memory` measures, without its teardown
+            from hftk.bench.memory_worker import measure
+            from hftk.engine.trainer import build_trainer
+
+            measure(build_trainer(prepared)[0], prepared.cfg.strategy.strategy, Path(memory_out))
+            return
         engine = getattr(strategies.get(prepared.cfg.strategy.strategy), "ENGINE", "trainer")
         importlib.import_module(f"hftk.engine.{engine}").run(prepared)
     finally:
@@ -43,22 +60,56 @@ def run_cell(argv: list[str]) -> None:
         os.environ.update(launch_env)
 
 
+@contextmanager
+def captured(path: Path) -> Iterator[None]:
+    """Point file descriptors 1 and 2 at ``path`` (append) while the block runs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with path.open("ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+
+
+def barrier() -> None:
+    if dist.is_initialized():  # a one-process launch has no group
+        dist.barrier()
+
+
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    log = Path(spec["out"]) / "cells.jsonl"
+    out = Path(spec["out"])
+    log = out / "cells.jsonl"
+    rank = int(os.environ.get("RANK", "0"))
     for cell in spec["cells"]:
         start = time.perf_counter()
+        if "copy" in cell:
+            if rank == 0:
+                shutil.copytree(*cell["copy"])
+            barrier()
+        capture = captured(out / "logs" / f"{cell['name']}.rank{rank}.log") if spec.get("capture") else nullcontext()
         try:
-            run_cell(cell["argv"])
+            with capture:
+                run_cell(cell["argv"], cell.get("env"), cell.get("memory_out"))
         except BaseException:
             print(f"matrix cell {cell['name']} crashed", file=sys.stderr, flush=True)
             raise
-        dist.barrier()
-        if dist.get_rank() == 0:
+        barrier()
+        if rank == 0:
             with log.open("a") as f:
                 f.write(json.dumps({"name": cell["name"], "wall_s": round(time.perf_counter() - start, 2)}) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
