@@ -11,11 +11,9 @@ import sys
 from hftk import allocator, launch, plan, strategies, validate
 from hftk.config import RunConfig, load_config
 from hftk.data import combined_format, load_sources
-from hftk.errors import HftkError
+from hftk.errors import HftkError, report
 from hftk.modeling import load_model_config, load_tokenizer, resolve_model_path
 from hftk.run_types import PreparedRun
-
-EXIT_USAGE = 2
 
 
 def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> PreparedRun:
@@ -64,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepared = prepare(argv)
     except HftkError as exc:
-        return _usage_error(exc)
+        return report(exc)
     engine = getattr(strategies.get(prepared.cfg.strategy.strategy), "ENGINE", "trainer")
     try:
         importlib.import_module(f"hftk.engine.{engine}").train(prepared)
     except HftkError as exc:
-        code = _usage_error(exc)
+        code = report(exc)
     except SystemExit as stop:  # an engine's deliberate stop: preemption (75), NaN policy (65)
         if prepared.world_size == 1:
             raise
@@ -79,11 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     if prepared.world_size > 1:
         exit_without_teardown(code)  # the launcher must see this code, not a teardown abort's
     return code
-
-
-def _usage_error(exc: HftkError) -> int:
-    print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
-    return EXIT_USAGE
 
 
 def exit_without_teardown(code: int) -> None:
