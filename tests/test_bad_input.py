@@ -316,3 +316,51 @@ def test_launcher_prints_an_input_error_once(args, named, tmp_path):
     codes = [line.split(":")[1].split()[0] for line in result.stderr.splitlines() if line.strip().startswith("exitcode")]
     assert codes and all(code in ("2", "-15") for code in codes) and "2" in codes, result.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def _sealed_checkpoint(folder: Path) -> Path:
+    """A checkpoint folder as hftk publishes it: a weights file, trainer state, the seal last."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hftk.checkpoint import seal
+
+    folder.mkdir(parents=True)
+    save_file({"w": torch.arange(64, dtype=torch.float32)}, str(folder / "model.safetensors"))
+    (folder / "trainer_state.json").write_text("{}")
+    seal(folder, step=3)
+    return folder
+
+
+@pytest.mark.parametrize("damage,named", [
+    ("unsealed", "hftk_complete.json"),
+    ("truncated", "model.safetensors"),
+    ("header", "model.safetensors"),
+    ("missing", "trainer_state.json"),
+])
+def test_explicit_resume_is_checked_like_latest(damage, named, tmp_path, capsys):
+    """``--resume_from_checkpoint PATH``: the seal and the file headers are checked before launch, the file named."""
+    ckpt = _sealed_checkpoint(tmp_path / "old" / "checkpoint-3")
+    weights = ckpt / "model.safetensors"
+    if damage == "unsealed":
+        (ckpt / "hftk_complete.json").unlink()
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-10])
+    elif damage == "header":  # same size, header bytes overwritten: only reading the header finds it
+        data = bytearray(weights.read_bytes())
+        data[8:20] = b"\xff" * 12
+        weights.write_bytes(bytes(data))
+    else:
+        (ckpt / "trainer_state.json").unlink()
+    argv = ["--model_name_or_path", "builtin:gpt2-tiny", "--output_dir", str(tmp_path / "out"), "--report_to", "none",
+            "--resume_from_checkpoint", str(ckpt)]
+    assert attempt(argv, tokenize=False) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("hftk: error: training.resume_from_checkpoint") and named in line, line
+    assert "\n" not in line
+
+
+def test_an_intact_explicit_checkpoint_passes_the_check(tmp_path):
+    from hftk.checkpoint import check_resumable
+
+    check_resumable(_sealed_checkpoint(tmp_path / "checkpoint-3"))  # raises on any problem
