@@ -155,7 +155,8 @@ def check_training_arguments(training: dict[str, Any]) -> None:
     env, verbosity = dict(os.environ), hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its warnings come again, once, when the engine builds the real one
     try:
-        args = Unlaunched(**{**training, "use_cpu": True})
+        # `deepspeed` (the JSON hftk's zero strategies write) would ask the distributed state for the world size
+        args = Unlaunched(**{**{k: v for k, v in training.items() if k != "deepspeed"}, "use_cpu": True})
     except (ValueError, TypeError, KeyError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         named = next((k for k in training if k in message), None) or next(
