@@ -114,8 +114,6 @@ def _ranges(cfg: RunConfig) -> list[tuple[str, Any, Any, str]]:
     steps = {k: t.get(k) for k in ("logging_steps", "eval_steps", "save_steps") if t.get(k) is not None}
     return [
         ("model.model_dropout", m.model_dropout, m.model_dropout is None or 0 <= m.model_dropout < 1, "in [0, 1)"),
-        ("model.lora_dropout", m.lora_dropout, 0 <= m.lora_dropout < 1, "in [0, 1)"),
-        ("model.lora_alpha", m.lora_alpha, m.lora_alpha > 0, "positive"),
         ("data.preprocessing_num_workers", d.preprocessing_num_workers,
          d.preprocessing_num_workers is None or 1 <= d.preprocessing_num_workers <= cores,
          f"between 1 and this machine's {cores} cores (or unset)"),
