@@ -235,8 +235,6 @@ def load_sources(cfg: DataConfig, tokenizer_loader: Any) -> list[Source]:
             else:
                 template = chat.require_template(tokenizer, f"{scfg.dataset} holds conversations")
         raw, fmt = normalise(scfg, raw, fmt, template, field)
-        if not scfg.eval_split and scfg.eval_fraction > 0:
-            _check_holdout(scfg, min(len(raw[scfg.train_split]), scfg.max_train_samples or len(raw[scfg.train_split])))
         sources.append(Source(cfg=scfg, raw=raw, fmt=fmt, weight=weight, field=field))
     if any(s.weight is not None for s in sources) and len(sources) > 1:
         for s in sources:
@@ -391,6 +389,14 @@ def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> B
     if eval_blocks is not None and len(eval_blocks) == 0:
         eval_blocks = None
     return Blocks(train_blocks, eval_blocks)
+
+
+def check_holdouts(sources: list[Source]) -> None:
+    """Every dataset that holds out ``eval_fraction`` of its rows keeps at least one to train on."""
+    for s in sources:
+        rows = len(s.raw[s.cfg.train_split])
+        if not s.cfg.eval_split and s.cfg.eval_fraction > 0:
+            _check_holdout(s.cfg, min(rows, s.cfg.max_train_samples or rows))
 
 
 def _check_holdout(cfg: DataConfig, rows: int) -> None:

@@ -10,7 +10,7 @@ import sys
 
 from hftk import allocator, launch, plan, strategies, validate
 from hftk.config import RunConfig, load_config
-from hftk.data import combined_format, load_sources
+from hftk.data import check_holdouts, combined_format, load_sources
 from hftk.errors import HftkError, report
 from hftk.modeling import load_model_config, load_tokenizer, resolve_model_path
 from hftk.run_types import PreparedRun
@@ -44,6 +44,7 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
     # Conversations need the tokenizer's chat template now (a built-in model is then written early).
     sources = load_sources(cfg.data, lambda: load_tokenizer(cfg.model, cfg.data.chat_template))
     validate.check_data(cfg, combined_format(sources))
+    check_holdouts(sources)
     resolve_model_path(cfg.model)  # valid input: a built-in is written now, before any process group
     return PreparedRun(cfg=cfg, model_config=model_config, raw=sources[0].raw, data_format=combined_format(sources),
                        world_size=world_size, sources=sources)
