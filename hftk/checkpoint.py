@@ -108,6 +108,50 @@ def is_complete(folder: Path) -> bool:
     return all(_size(Path(folder) / rel) == size for rel, size in files.items())
 
 
+def check_resumable(folder: Path, field: str = "training.resume_from_checkpoint") -> None:
+    """An explicit resume folder passes the same seal check as ``latest``, plus readable file headers.
+
+    Raises one line naming the first file that is missing, has another size than the seal records,
+    or whose header cannot be read (safetensors header and offsets, torch zip directory), before any
+    process group: a damaged file would otherwise surface as a loader's traceback on every rank."""
+    from hftk.errors import HftkError
+
+    folder = Path(folder)
+    fix = "resume from another checkpoint-N folder (or 'latest', the newest complete one)."
+    try:
+        files = json.loads((folder / COMPLETE_MARKER).read_text())["files"]
+    except OSError:
+        raise HftkError(field, f"{folder} has no {COMPLETE_MARKER}: its save never finished (or another tool wrote "
+                        "it), so it may be incomplete.", fix) from None
+    except (ValueError, KeyError, TypeError):
+        raise HftkError(field, f"{folder / COMPLETE_MARKER} is damaged (not hftk's seal).", fix) from None
+    for rel, size in sorted(files.items()):
+        actual = _size(folder / rel)
+        if actual != size:
+            now = "is missing" if actual < 0 else f"has {actual} bytes"
+            raise HftkError(field, f"{folder / rel} {now}; the seal records {size} bytes (damaged checkpoint).", fix)
+        problem = _header_problem(folder / rel)
+        if problem:
+            raise HftkError(field, f"{folder / rel} is damaged: {problem}.", fix)
+
+
+def _header_problem(path: Path) -> str | None:
+    """Why ``path``'s header cannot be read (safetensors, or torch's zip format); None when it can or has none."""
+    import zipfile
+
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), "pt") as f:  # parses the header and checks its offsets fit the file
+                f.keys()
+        except Exception as exc:  # SafetensorError and friends: the message is all the user needs
+            return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    elif path.suffix in (".pt", ".pth", ".bin") and not zipfile.is_zipfile(path):
+        return "not a torch zip archive"
+    return None
+
+
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size

@@ -8,7 +8,7 @@ import sys
 from typing import Callable
 
 from hftk import __version__
-from hftk.errors import HftkError
+from hftk.errors import HftkError, report
 
 
 # name -> (help, "module:function"). Handlers take the remaining argv and parse their own options;
@@ -50,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _handler(argv[0])(argv[1:])
     except HftkError as exc:
-        print(f"hftk: error: {exc.one_line()}", file=sys.stderr)
-        return 2
+        return report(exc)
 
 
 if __name__ == "__main__":

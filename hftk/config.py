@@ -391,6 +391,17 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
     }
     for key in TRAINING_DEFAULTS:
         training[key] = values[key]
+    # The declared annotations: HfArgumentParser narrows the fields' ``type`` in place (``int | None`` -> int).
+    for name, section in sections.items():
+        for f in dataclasses.fields(section):
+            _check_value(f"{name}.{f.name}", getattr(section, f.name), type(section).__annotations__[f.name],
+                         f.metadata.get("choices"))
+    from transformers import TrainingArguments
+
+    declared = {k: v for cls in reversed(TrainingArguments.__mro__) for k, v in getattr(cls, "__annotations__", {}).items()}
+    for key, value in training.items():
+        if declared.get(key) in (int, float, bool):
+            _check_value(f"training.{key}", value, declared[key].__name__, None)
     return RunConfig(**sections, training=training)
 
 
@@ -398,6 +409,25 @@ def training_defaults() -> dict[str, Any]:
     """Every TrainingArguments option's value in a run that does not set it (None where the field has no default)."""
     own = {name: _field_default(f) for name, f in _training_fields().items()}
     return {**{k: None if v is dataclasses.MISSING else v for k, v in own.items()}, **TRAINING_DEFAULTS}
+
+
+SCALARS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def _check_value(name: str, value: Any, annotation: str, choices: list[str] | None) -> None:
+    """Type and choice of one option. argparse checks the command line; a YAML value reaches here
+    unconverted (``block_size: big``, ``strategy: zero9``), so the schema is checked once for both."""
+    kinds = annotation.split(" | ")
+    if value is None and "None" in kinds:
+        return
+    accepted = SCALARS.get(kinds[0])
+    if accepted is None:
+        return  # lists, dicts, unions of other types: their readers check them
+    if isinstance(value, bool) and bool not in accepted or not isinstance(value, accepted):
+        raise HftkError(name, f"must be {'an' if kinds[0] == 'int' else 'a'} {kinds[0]}, got {value!r}.",
+                        f"write a {kinds[0]} value for {name}.")
+    if choices and value not in choices:
+        raise HftkError(name, f"'{value}' is not one of {', '.join(choices)}.", f"use one of: {', '.join(choices)}.")
 
 
 def _field_default(f: dataclasses.Field) -> Any:

@@ -9,6 +9,7 @@ second run (or the second rank) reads them instead of recomputing.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +46,12 @@ def load_raw(cfg: DataConfig) -> Any:
     import datasets
 
     datasets.disable_progress_bars()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a reader's failure is our one line, not its log
     try:
         return _load_raw(cfg)
     finally:
+        datasets.logging.set_verbosity(verbosity)
         datasets.enable_progress_bars()
 
 
@@ -76,9 +80,16 @@ def _load_raw(cfg: DataConfig) -> Any:
         return datasets.load_dataset(source, cfg.dataset_config_name, revision=cfg.dataset_revision)
     except HftkError:
         raise
-    except Exception as exc:  # datasets raises many types; the user needs the first line only
-        raise HftkError("data.dataset", f"cannot load '{source}': {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+    except Exception as exc:  # datasets raises many types; the user needs the first line of the root cause
+        raise HftkError("data.dataset", f"cannot load '{source}': {_root_cause(exc)}",
                         "check the path or Hub name (and data.dataset_config_name).") from None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """First line of the innermost exception ("An error occurred while generating the dataset" says little)."""
+    while exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
+        exc = exc.__cause__ or exc.__context__
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 @dataclass
@@ -171,13 +182,42 @@ def check_raw(cfg: DataConfig, raw: Any, field: str = "data.dataset") -> str:
     if len(train) == 0:
         raise HftkError(field, f"the '{cfg.train_split}' split of {cfg.dataset} has no rows.",
                         "point it at a non-empty dataset.")
+    _check_utf8(cfg, raw, field)
     fmt = resolve_format(cfg, list(train.column_names), train[0])
     if fmt in ("text", "prompt_completion"):
+        _check_text_columns(cfg, train, [cfg.text_field] if fmt == "text" else [cfg.prompt_field, cfg.completion_field],
+                            field)
         column = cfg.text_field if fmt == "text" else cfg.completion_field
         if not any(str(v or "").strip() for v in train.select(range(min(len(train), 1000)))[column]):
             raise HftkError(field, f"the '{cfg.train_split}' split of {cfg.dataset} has no text in column '{column}'.",
                             "point it at a non-empty dataset.")
     return fmt
+
+
+def _check_utf8(cfg: DataConfig, raw: Any, field: str) -> None:
+    """Arrow's JSON reader stores invalid UTF-8 unchecked; reading such a row later raises in the middle
+    of tokenisation. A full validation of every split's table finds it now."""
+    import pyarrow as pa
+
+    for split, ds in raw.items():
+        try:
+            ds.data.table.validate(full=True)
+        except pa.ArrowInvalid as exc:
+            raise HftkError(field, f"split '{split}' of {cfg.dataset} is not valid UTF-8 text ({exc}).",
+                            "re-encode the file as UTF-8.") from None
+
+
+def _check_text_columns(cfg: DataConfig, train: Any, columns: list[str], field: str) -> None:
+    """Text columns hold strings (nulls allowed): a column of numbers, or of mixed types (which datasets
+    keeps as a Json column), would fail inside the tokenizer."""
+    import datasets
+
+    for column in columns:
+        feature = train.features.get(column)
+        if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null")):
+            kinds = sorted({type(v).__name__ for v in train.select(range(min(len(train), 1000)))[column]})
+            raise HftkError(field, f"column '{column}' of {cfg.dataset} holds {'/'.join(kinds)} values, not text.",
+                            f"make every value of column '{column}' a string.")
 
 
 def load_sources(cfg: DataConfig, tokenizer_loader: Any) -> list[Source]:
@@ -345,6 +385,23 @@ def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> B
     if eval_blocks is not None and len(eval_blocks) == 0:
         eval_blocks = None
     return Blocks(train_blocks, eval_blocks)
+
+
+def check_holdouts(sources: list[Source]) -> None:
+    """Every dataset that holds out ``eval_fraction`` of its rows keeps at least one to train on."""
+    for s in sources:
+        rows = len(s.raw[s.cfg.train_split])
+        if not s.cfg.eval_split and s.cfg.eval_fraction > 0:
+            _check_holdout(s.cfg, min(rows, s.cfg.max_train_samples or rows))
+
+
+def _check_holdout(cfg: DataConfig, rows: int) -> None:
+    """``train_test_split`` holds out ceil(fraction x rows) rows; refuse (one line) when none would be left to train on."""
+    held = math.ceil(cfg.eval_fraction * rows)
+    if rows - held < 1:
+        raise HftkError("data.eval_fraction", f"{cfg.dataset} has {rows} training row(s); holding out "
+                        f"{cfg.eval_fraction} of them ({held}) leaves none to train on (at least {held + 1} needed).",
+                        "add rows, pass --eval_fraction 0 (no evaluation), or name an --eval_split.")
 
 
 def _report_long(cfg: DataConfig, split: str, before: int, after: int, truncated: int) -> None:

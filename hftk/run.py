@@ -10,12 +10,10 @@ import sys
 
 from hftk import allocator, launch, plan, strategies, validate
 from hftk.config import RunConfig, load_config
-from hftk.data import combined_format, load_sources
-from hftk.errors import HftkError
+from hftk.data import check_holdouts, combined_format, load_sources
+from hftk.errors import HftkError, report
 from hftk.modeling import load_model_config, load_tokenizer, resolve_model_path
 from hftk.run_types import PreparedRun
-
-EXIT_USAGE = 2
 
 
 def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> PreparedRun:
@@ -48,6 +46,7 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
     validate.check_data(cfg, combined_format(sources))
     for source in sources:  # each dataset's options were copied before check_data resolved data.packing
         source.cfg.packing = cfg.data.packing
+    check_holdouts(sources)
     resolve_model_path(cfg.model)  # valid input: a built-in is written now, before any process group
     return PreparedRun(cfg=cfg, model_config=model_config, raw=sources[0].raw, data_format=combined_format(sources),
                        world_size=world_size, sources=sources)
@@ -66,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepared = prepare(argv)
     except HftkError as exc:
-        return _usage_error(exc)
+        return report(exc)
     engine = getattr(strategies.get(prepared.cfg.strategy.strategy), "ENGINE", "trainer")
     try:
         importlib.import_module(f"hftk.engine.{engine}").train(prepared)
     except HftkError as exc:
-        code = _usage_error(exc)
+        code = report(exc)
     except SystemExit as stop:  # an engine's deliberate stop: preemption (75), NaN policy (65)
         if prepared.world_size == 1:
             raise
@@ -81,11 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     if prepared.world_size > 1:
         exit_without_teardown(code)  # the launcher must see this code, not a teardown abort's
     return code
-
-
-def _usage_error(exc: HftkError) -> int:
-    print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
-    return EXIT_USAGE
 
 
 def exit_without_teardown(code: int) -> None:

@@ -91,11 +91,90 @@ def check_config(cfg: RunConfig) -> None:
                             "drop --hub_revision, or push to a separate repository id.")
     if cfg.hub.hub_upload_retries < 1:
         raise HftkError("hub.hub_upload_retries", "must be at least 1.", "set it to 1 or more (default 5).")
+    _check_ranges(cfg)
+    check_training_arguments(cfg.training)
+    if d.chat_template:
+        from hftk.chat import resolve_template
+
+        resolve_template(d.chat_template)  # a shipped name or a readable Jinja file
+    metrics = cfg.output_dir / cfg.tracking.metrics_file
+    if cfg.tracking.metrics_file in ("", ".", "..") or cfg.tracking.metrics_file.endswith("/") or metrics.is_dir():
+        raise HftkError("tracking.metrics_file", f"'{cfg.tracking.metrics_file}' names a folder, not a file.",
+                        "use a file name like metrics.jsonl (relative to training.output_dir).")
     check_compression(cfg.strategy, launch_world_size(), dict(os.environ))
     check_restartable(dict(os.environ))
     check_accelerate_launch(dict(os.environ), parent_argv())
     _check_parallel_degrees(cfg)
     _check_output_dir(cfg)
+
+
+def _ranges(cfg: RunConfig) -> list[tuple[str, Any, Any, str]]:
+    """(field, value, accepted?, what is accepted) for the numeric options checked nowhere else."""
+    m, d, t, a = cfg.model, cfg.data, cfg.training, cfg.args
+    cores = os.cpu_count() or 1
+    steps = {k: t.get(k) for k in ("logging_steps", "eval_steps", "save_steps") if t.get(k) is not None}
+    return [
+        ("model.model_dropout", m.model_dropout, m.model_dropout is None or 0 <= m.model_dropout < 1, "in [0, 1)"),
+        ("data.preprocessing_num_workers", d.preprocessing_num_workers,
+         d.preprocessing_num_workers is None or 1 <= d.preprocessing_num_workers <= cores,
+         f"between 1 and this machine's {cores} cores (or unset)"),
+        ("training.dataloader_num_workers", a.dataloader_num_workers,
+         0 <= a.dataloader_num_workers <= cores, f"between 0 and this machine's {cores} cores"),
+        ("data.pad_to_multiple_of", d.pad_to_multiple_of,
+         d.pad_to_multiple_of is None or 1 <= d.pad_to_multiple_of <= d.block_size,
+         f"a number of tokens between 1 and data.block_size ({d.block_size}), e.g. 8 (or unset)"),
+        ("tracking.check_sync_steps", cfg.tracking.check_sync_steps, cfg.tracking.check_sync_steps >= 0, ">= 0 (0: off)"),
+        ("hub.hub_retry_backoff_s", cfg.hub.hub_retry_backoff_s, cfg.hub.hub_retry_backoff_s >= 0, ">= 0 seconds"),
+        ("training.weight_decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
+        ("training.ddp_timeout", a.ddp_timeout, a.ddp_timeout > 0, "a positive number of seconds"),
+        ("training.seed", a.seed, 0 <= a.seed < 2**32, "in [0, 2**32) (numpy's seed range)"),
+        *[(f"training.{k}", v, v > 0, "positive (a step count, or a fraction of the run below 1)")
+          for k, v in steps.items()],
+    ]
+
+
+def _check_ranges(cfg: RunConfig) -> None:
+    for name, value, accepted, what in _ranges(cfg):
+        if not accepted:
+            raise HftkError(name, f"must be {what}, got {value!r}.", f"set {name} {what}.")
+
+
+def check_training_arguments(training: dict[str, Any]) -> None:
+    """``TrainingArguments``' own checks, run now instead of after launch (where they were a traceback per rank).
+
+    Its ``__post_init__`` resolves the device, which starts the process group under a launcher; a
+    subclass answers the device questions with "CPU, one process" so every other check runs as
+    transformers wrote it, with no group, no accelerate state and the environment left as it was."""
+    from transformers import TrainingArguments
+    from transformers.training_args import ParallelMode
+    from transformers.utils import logging as hf_logging
+
+    class Unlaunched(TrainingArguments):
+        device = property(lambda self: torch.device("cpu"))
+        n_gpu = property(lambda self: 0)
+        parallel_mode = property(lambda self: ParallelMode.NOT_PARALLEL)
+
+    env, verbosity = dict(os.environ), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its warnings come again, once, when the engine builds the real one
+    try:
+        # `deepspeed` (the JSON hftk's zero strategies write) would ask the distributed state for the world size
+        args = Unlaunched(**{**{k: v for k, v in training.items() if k != "deepspeed"}, "use_cpu": True})
+    except (ValueError, TypeError, KeyError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        named = next((k for k in training if k in message), None) or next(
+            (k for k, v in training.items() if isinstance(v, str) and f"{v} is not a valid" in message), None)
+        raise HftkError(f"training.{named}" if named else "training", message.rstrip(".") + ".",
+                        "see `hftk train --help` for the accepted values.") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        os.environ.clear()
+        os.environ.update(env)
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    try:
+        get_reporting_integration_callbacks(args.report_to)
+    except ValueError as exc:
+        raise HftkError("training.report_to", str(exc).splitlines()[0], "pass one of those names, or none.") from None
 
 
 def _check_parallel_degrees(cfg: RunConfig) -> None:
@@ -111,17 +190,38 @@ def _check_parallel_degrees(cfg: RunConfig) -> None:
 
 def _check_output_dir(cfg: RunConfig) -> None:
     """Never silently train over someone's earlier checkpoints."""
-    from hftk.checkpoint import continues_this_job
+    from hftk.checkpoint import check_resumable, continues_this_job
 
     resume = cfg.training.get("resume_from_checkpoint")
     if resume and resume != "latest" and not Path(resume).is_dir():
         raise HftkError("training.resume_from_checkpoint", f"'{resume}' is not a checkpoint folder.",
                         "pass an existing checkpoint-N folder or 'latest'.")
+    if resume and resume != "latest" and not continues_this_job(cfg.output_dir):
+        check_resumable(Path(resume))
+    _check_writable(cfg.output_dir)
     restarted = continues_this_job(cfg.output_dir)  # an elastic round resumes its own checkpoints
     earlier = any(Path(cfg.output_dir).glob("checkpoint-*"))  # complete or not: either is someone's work
     if not resume and not restarted and earlier and not cfg.training.get("overwrite_output_dir"):
         raise HftkError("training.output_dir", f"{cfg.output_dir} already holds checkpoints of another run.",
                         "pass --resume_from_checkpoint latest to continue it, or choose a new output_dir.")
+
+
+def _check_writable(output_dir: Path) -> None:
+    """The output folder is a folder (or can become one) that this user may write in."""
+    field = "training.output_dir"
+    if output_dir.exists() and not output_dir.is_dir():
+        raise HftkError(field, f"{output_dir} is a file, not a folder.", "choose a folder path for --output_dir.")
+    existing = next(p for p in [output_dir, *output_dir.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        raise HftkError(field, f"{existing} (part of {output_dir}) is a file, so the folder cannot be made.",
+                        "choose a folder path for --output_dir.")
+    import tempfile
+
+    try:  # a nameless probe (O_TMPFILE): root passes permission bits, but not read-only mounts
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as exc:
+        raise HftkError(field, f"cannot write in {existing}: {exc.strerror}.",
+                        "choose a folder you can write to, or fix its permissions.") from None
 
 
 def check_model(cfg: RunConfig, model_config: Any) -> None:
@@ -133,6 +233,19 @@ def check_model(cfg: RunConfig, model_config: Any) -> None:
         raise HftkError("data.block_size", f"{cfg.data.block_size} exceeds the model's context length {limit}.",
                         f"set data.block_size to {limit} or less.")
     check_lora(cfg, model_config)
+    hidden = getattr(model_config, "hidden_size", None)
+    if cfg.model.lora_r and hidden and cfg.model.lora_r > hidden:
+        raise HftkError("model.lora_r", f"{cfg.model.lora_r} exceeds the model's hidden size {hidden} (an adapter "
+                        "of that rank is larger than the weights it adapts).", f"use a rank below {hidden}, e.g. 8.")
+    if cfg.model.tokenizer_name_or_path:
+        from hftk.modeling import load_tokenizer
+
+        try:
+            load_tokenizer(cfg.model)
+        except Exception as exc:  # transformers raises OSError, ValueError, ...: the first line says which
+            raise HftkError("model.tokenizer_name_or_path", f"cannot load a tokenizer from "
+                            f"'{cfg.model.tokenizer_name_or_path}': {str(exc).splitlines()[0][:300]}",
+                            "pass a folder written by save_pretrained or a Hub id, or leave it unset.") from None
 
 
 def check_data(cfg: RunConfig, data_format: str) -> None:
@@ -153,6 +266,3 @@ def resolve_packing(cfg: RunConfig, data_format: str) -> None:
         raise HftkError("data.packing", "concat would join conversations so that each attends to the one before it.",
                         "use --packing bfd (whole conversations kept apart) or none (one per row).")
     support.check_packing(cfg.strategy.strategy, d.packing, cfg.model.attn_implementation)
-    if d.pad_to_multiple_of is not None and d.pad_to_multiple_of < 1:
-        raise HftkError("data.pad_to_multiple_of", f"must be a positive number of tokens, got {d.pad_to_multiple_of}.",
-                        "pass e.g. 8, or leave it unset.")

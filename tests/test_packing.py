@@ -140,7 +140,7 @@ def test_auto_packing_resolves_by_format_and_strategy(tmp_path, monkeypatch, arg
     (["--strategy", "cp", "--cp_size", "2", "--packing", "bfd"], "data.packing", "ring attention"),
     (["--packing", "bfd", "--attn_implementation", "flex_attention"], "model.attn_implementation", "flex_attention"),
     (["--packing", "concat"], "data.packing", "attends to the one before"),
-    (["--packing", "none", "--pad_to_multiple_of", "0"], "data.pad_to_multiple_of", "positive"),
+    (["--packing", "none", "--pad_to_multiple_of", "0"], "data.pad_to_multiple_of", "between 1 and data.block_size"),
 ])
 def test_packing_a_strategy_cannot_honour_is_refused_before_launch(tmp_path, monkeypatch, args, field, words):
     from hftk.errors import HftkError
