@@ -104,6 +104,17 @@ def save_run_record(folder: Path, record: dict[str, Any]) -> None:
     _write_new(Path(folder) / RUN_FILE, json.dumps(record, indent=1, sort_keys=True, default=str))
 
 
+def merged_note(model: dict[str, Any]) -> str:
+    """How a merged LoRA model's weights came about: a QLoRA adapter merges into its base dequantized."""
+    bits = 4 if model.get("load_in_4bit") else 8 if model.get("load_in_8bit") else 0
+    if not bits:
+        return " (LoRA adapter merged into the base weights)."
+    kind = f"{model.get('bnb_4bit_quant_type', 'nf4')}, " if bits == 4 else ""
+    return (f" (QLoRA adapter merged into the base dequantized from its {bits}-bit ({kind}bitsandbytes) training "
+            "copy: full-precision weights, equal to the quantized base the adapter was trained on plus the adapter, "
+            "not to the original base's weights plus the adapter).")
+
+
 def write_run_files(folder: Path, record: dict[str, Any], repo_id: str | None) -> None:
     """``hftk_run.json`` plus the ``README.md`` model card into ``folder``."""
     save_run_record(folder, record)
@@ -145,8 +156,7 @@ def model_card(record: dict[str, Any], repo_id: str | None) -> str:
         "---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "",
         f"# {name}", "",
         f"Fine-tuned from `{base}` with hftk {record['hftk_version']}"
-        + (" (LoRA adapter)." if adapter else " (LoRA adapter merged into the base weights)."
-           if model.get("lora_r") else "."), "",
+        + (" (LoRA adapter)." if adapter else merged_note(model) if model.get("lora_r") else "."), "",
         "## Base model", "", f"- `{base}` (revision `{model['model_revision']}`, dtype {model['model_dtype']})", "",
         "## Training data", "",
         *[f"- dataset: `{d['path']}`" + (f" (config `{data['dataset_config_name']}`)" if data.get("dataset_config_name")
@@ -381,10 +391,7 @@ def merged_copy(final: Path, dest: Path, repo_id: str | None) -> Path:
     """A LoRA run's final folder as a full model (adapter merged into the base) with its own model card."""
     from hftk.lora import export_adapter
 
-    export_adapter(final, dest, merge=True)
-    record = find_run_record(final)
-    if record is not None:
-        write_run_files(dest, {**record, "merged": True}, repo_id)
+    export_adapter(final, dest, merge=True, repo_id=repo_id)  # its model card included
     return dest
 
 

@@ -132,7 +132,8 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
 
     tokenizer, data = load_data(prepared, args)
     announce_eval(cfg.data, data.eval, args.per_device_eval_batch_size, args.world_size, args.process_index == 0)
-    model = strategy.prepare_model(lora.apply(load_model(cfg.model), cfg, args), cfg)  # LoRA before any sharding
+    base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
+    model = strategy.prepare_model(lora.apply(base, cfg, args), cfg)  # LoRA before any sharding
 
     # A strategy that owns its model/optimizer I/O (FSDP2 shards) supplies its own Trainer.
     make_trainer = strategy.trainer_factory(cfg) if hasattr(strategy, "trainer_factory") else Trainer

@@ -53,12 +53,15 @@ def main(spec_path: str) -> int:
         except BaseException:
             print(f"matrix cell {cell['name']} crashed", file=sys.stderr, flush=True)
             raise
-        dist.barrier()
-        if dist.get_rank() == 0:
+        grouped = dist.is_initialized()  # a one-process launch (world size 1) starts no group
+        if grouped:
+            dist.barrier()
+        if not grouped or dist.get_rank() == 0:
             with log.open("a") as f:
                 f.write(json.dumps({"name": cell["name"], "wall_s": round(time.perf_counter() - start, 2)}) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
