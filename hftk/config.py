@@ -71,6 +71,18 @@ class ModelConfig:
     lora_target_modules: str | None = _opt(
         None, "Comma-separated module names to adapt; default chosen per architecture."
     )
+    use_dora: bool = _opt(False, "DoRA (PEFT use_dora): LoRA plus a trained magnitude per output channel; needs lora_r.")
+    use_rslora: bool = _opt(False, "rsLoRA (PEFT use_rslora): scale adapters by alpha / sqrt(r) instead of alpha / r; "
+                            "needs lora_r.")
+    # QLoRA: the frozen base quantized at load by bitsandbytes (transformers' BitsAndBytesConfig).
+    load_in_4bit: bool = _opt(False, "Load the base weights in 4 bits through bitsandbytes (QLoRA); needs lora_r.")
+    load_in_8bit: bool = _opt(False, "Load the base weights in 8 bits through bitsandbytes (LLM.int8); needs lora_r.")
+    bnb_4bit_quant_type: str = _opt("nf4", "4-bit data type: nf4 (NormalFloat, QLoRA's) or fp4.", choices=["nf4", "fp4"])
+    bnb_4bit_use_double_quant: bool = _opt(
+        True, "Quantize the 4-bit blocks' fp32 scales again (8-bit, blocks of 256): ~0.37 bit/param saved.")
+    bnb_4bit_compute_dtype: str | None = _opt(
+        None, "dtype 4-bit layers dequantize to for their matmul (None: model_dtype).",
+        choices=["float32", "bfloat16", "float16"])
 
 
 @dataclass

@@ -38,6 +38,9 @@ from hftk.errors import HftkError
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_NAME = "default"  # PEFT's name for the one adapter get_peft_model creates
+# Beside a QLoRA adapter: the BitsAndBytesConfig of the base it was trained on (PEFT records none), so that
+# `hftk export --merge` merges into that base dequantized -- the weights the adapter was trained against.
+QUANTIZATION_FILE = "hftk_quantization.json"
 _ATTENTION_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # model_type -> the attention and MLP projections (GPT-2's c_proj names both attention and MLP outputs).
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
@@ -65,22 +68,35 @@ def target_modules(cfg: ModelConfig, model_type: str) -> list[str]:
 
 
 def lora_config(cfg: ModelConfig, model_type: str) -> Any:
-    """PEFT's ``LoraConfig`` of this run (no bias, causal LM, base revision recorded)."""
+    """PEFT's ``LoraConfig`` of this run (no bias, causal LM, base revision recorded, DoRA / rsLoRA)."""
     from peft import LoraConfig
 
+    # GPT-2's Conv1D stores weights (in, out); quantized, transformers replaced it by a bitsandbytes Linear (out, in).
+    conv1d = model_type == "gpt2" and not (cfg.load_in_4bit or cfg.load_in_8bit)
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=target_modules(cfg, model_type), bias="none", task_type="CAUSAL_LM",
-                      fan_in_fan_out=model_type == "gpt2",  # GPT-2's Conv1D stores weights (in, out)
+                      fan_in_fan_out=conv1d, use_dora=cfg.use_dora, use_rslora=cfg.use_rslora,
                       revision=None if cfg.model_revision == "main" else cfg.model_revision)
 
 
 def validate(cfg: RunConfig, model_config: Any) -> None:
     """LoRA options that cannot work, named before any process starts."""
+    from hftk.modeling import quantized_field
+
     m = cfg.model
+    check_optimizer(str(cfg.args.optim))
+    if m.load_in_4bit and m.load_in_8bit:
+        raise HftkError("model.load_in_8bit", "and load_in_4bit are both set; a base has one quantization.",
+                        "keep one of --load_in_4bit / --load_in_8bit.")
     if not m.lora_r:
-        if m.lora_target_modules:
-            raise HftkError("model.lora_target_modules", "is set but lora_r is 0, so no adapter would be trained.",
-                            "set --lora_r (e.g. 8) to train LoRA, or drop --lora_target_modules.")
+        needs_lora = [("model.lora_target_modules", m.lora_target_modules), ("model.use_dora", m.use_dora),
+                      ("model.use_rslora", m.use_rslora), (quantized_field(m), quantized_field(m))]
+        for field, value in needs_lora:
+            if value:
+                what = ("quantizes the frozen base, and a quantized base cannot be fully fine-tuned"
+                        if field == quantized_field(m) else "is set")
+                raise HftkError(field, f"{what}, but lora_r is 0, so no adapter would be trained.",
+                                f"set --lora_r (e.g. 8) to train LoRA on it, or drop --{field.split('.')[1]}.")
         if cfg.hub.hub_push_merged:
             raise HftkError("hub.hub_push_merged", "merges a LoRA adapter, but lora_r is 0 (full fine-tuning).",
                             "drop --hub_push_merged, or train LoRA with --lora_r.")
@@ -90,7 +106,34 @@ def validate(cfg: RunConfig, model_config: Any) -> None:
     if not 0 <= m.lora_dropout < 1:
         raise HftkError("model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}.", "use e.g. 0.05 or 0.")
     support.check_lora(cfg.strategy.strategy, m.lora_r)  # tp / cp / sp shard the layers LoRA wraps
+    support.check_quantized(cfg.strategy.strategy, quantized_field(m))
+    check_quantization(cfg)
     check_targets(m, model_config)
+
+
+def check_optimizer(optim: str) -> None:
+    """bitsandbytes' paged optimizers page their state between GPU and CPU memory; on CPU they would
+    silently run the plain optimizer (bitsandbytes only warns), so they are refused there by name."""
+    if "paged" in optim and not torch.cuda.is_available():
+        raise HftkError("training.optim", f"{optim} pages optimizer state between GPU and CPU memory, and this "
+                        "machine has no GPU.", f"use {optim.replace('paged_', '')} here, or run on a GPU.")
+
+
+def check_quantization(cfg: RunConfig) -> None:
+    """What a bitsandbytes base needs from the rest of the run: the library, and options it honours."""
+    from hftk.modeling import quantized_field
+
+    field = quantized_field(cfg.model)
+    if field is None:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise HftkError(field, "needs the bitsandbytes package, which is not installed.",
+                        "pip install -e . (it is one of hftk's dependencies) or pip install bitsandbytes.")
+    if cfg.model.load_in_8bit and cfg.strategy.strategy == "fsdp":
+        raise HftkError("model.load_in_8bit", "with strategy fsdp: FSDP2 cannot shard bitsandbytes' int8 weights "
+                        "(integer storage, scales kept beside the tensor).", "use --load_in_4bit with fsdp, or ddp.")
 
 
 def check_targets(cfg: ModelConfig, model_config: Any) -> None:
@@ -130,8 +173,11 @@ def apply(model: Any, cfg: RunConfig, args: Any) -> Any:
     """
     if not cfg.model.lora_r:
         return model
-    from peft import get_peft_model
+    from peft import get_peft_model, prepare_model_for_kbit_training
 
+    if getattr(model, "is_quantized", False):  # QLoRA: frozen base, norms / embeddings in fp32, input grads
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
     with torch.random.fork_rng(devices=[]):  # every rank (and a one-process run) draws the same lora_A
         torch.manual_seed(args.seed)
         model = get_peft_model(model, lora_config(cfg.model, model.config.model_type))
@@ -217,10 +263,13 @@ def gather_pieces(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def saved_name(name: str) -> str:
-    """PEFT's file key for a model parameter name: ``...lora_A.default.weight`` -> ``...lora_A.weight``."""
+    """PEFT's file key for a model parameter name: ``...lora_A.default.weight`` -> ``...lora_A.weight``,
+    ``...lora_magnitude_vector.default.weight`` -> ``...lora_magnitude_vector`` (get_peft_model_state_dict's keys)."""
     marker = f".{ADAPTER_NAME}."
     if marker in name:
         head, tail = name.rsplit(marker, 1)
+        if head.endswith(".lora_magnitude_vector"):  # DoRA: PEFT saves the magnitude without ``.weight``
+            return head
         return f"{head}.{tail}"
     return name.removesuffix(f".{ADAPTER_NAME}")
 
@@ -262,6 +311,9 @@ def save_adapter(model: Any, folder: Path, is_main: bool) -> None:
     tensors = adapter_tensors(model)
     if is_main:
         write_adapter(folder, model.peft_config[ADAPTER_NAME], tensors, adapter_shapes(model))
+        quantization = getattr(model.config, "quantization_config", None)
+        if quantization is not None:
+            (Path(folder) / QUANTIZATION_FILE).write_text(json.dumps(quantization.to_dict(), indent=2, default=str))
 
 
 def save_final(trainer: Any, folder: Path) -> None:
@@ -305,21 +357,57 @@ def base_model_of(folder: Path) -> str:
     return base
 
 
+def quantization_of(folder: Path) -> dict[str, Any] | None:
+    """The BitsAndBytesConfig (as a dict) of the base a QLoRA adapter was trained on, or None."""
+    path = Path(folder) / QUANTIZATION_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def merged_model(folder: Path, base: str | None = None) -> Any:
-    """The base model with the adapter of ``folder`` folded into its weights (``merge_and_unload``)."""
+    """The base model with the adapter of ``folder`` folded into its weights (``merge_and_unload``).
+
+    A QLoRA adapter merges into its base quantized as in training, then dequantized (transformers'
+    ``dequantize``): full-precision weights equal to what the adapter was trained against.
+    """
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     base = base or base_model_of(folder)
     revision = json.loads((Path(folder) / ADAPTER_CONFIG).read_text()).get("revision")
-    model = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype="auto")
-    return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    quantization = quantization_of(folder)
+    if quantization is None:
+        model = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype="auto")
+        return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    from hftk.modeling import local_device
+
+    model = AutoModelForCausalLM.from_pretrained(base, revision=revision, device_map={"": local_device()},
+                                                 quantization_config=BitsAndBytesConfig.from_dict(quantization))
+    merged = PeftModel.from_pretrained(model.dequantize(), str(folder)).merge_and_unload()
+    return in_base_layout(merged)
 
 
-def export_adapter(checkpoint: Path, out: Path, merge: bool, base: str | None = None) -> str:
-    """Write ``out`` from a LoRA checkpoint: the adapter folder, or (``merge``) the merged full model.
+def in_base_layout(model: Any) -> Any:
+    """``model`` rebuilt as its own architecture: dequantizing turned GPT-2's Conv1D layers, which store
+    weights (in, out), into ``nn.Linear`` (out, in); their weights are transposed back so the folder
+    loads with ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM
 
-    Tokenizer files come along in both cases; returns the kind of folder written.
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(model.config)
+    conv1d = {f"{name}.weight" for name, module in fresh.named_modules() if type(module).__name__ == "Conv1D"}
+    state = {k: (v.t().contiguous() if k in conv1d else v).to("cpu") for k, v in model.state_dict().items()}
+    fresh.load_state_dict(state, strict=True, assign=True)
+    fresh.tie_weights()
+    return fresh
+
+
+def export_adapter(checkpoint: Path, out: Path, merge: bool, base: str | None = None,
+                   repo_id: str | None = None) -> str:
+    """Write ``out`` from a LoRA checkpoint: the adapter folder, or (``merge``) the merged full model
+    with the run's record and a model card saying how it was merged (when the run's record is found).
+
+    Tokenizer files come along in both cases (and a QLoRA adapter's quantization record); returns the
+    kind of folder written: ``lora-adapter``, ``lora-merged`` or ``qlora-merged`` (dequantized base).
     """
     from transformers import AutoTokenizer
 
@@ -330,11 +418,17 @@ def export_adapter(checkpoint: Path, out: Path, merge: bool, base: str | None = 
         model = merged_model(checkpoint, base)
         model.save_pretrained(str(out))
         check_complete(out, shapes_of(model))
-        kind = "lora-merged"
+        kind = "qlora-merged" if quantization_of(checkpoint) else "lora-merged"
+        from hftk.run_record import find_run_record, write_run_files
+
+        record = find_run_record(Path(checkpoint))
+        if record is not None:
+            write_run_files(out, {**record, "merged": True}, repo_id)
     else:
         out.mkdir(parents=True, exist_ok=True)
-        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-            shutil.copy2(Path(checkpoint) / name, out / name)
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, QUANTIZATION_FILE):
+            if (Path(checkpoint) / name).is_file() or name != QUANTIZATION_FILE:
+                shutil.copy2(Path(checkpoint) / name, out / name)
         kind = "lora-adapter"
     tokenizer.save_pretrained(str(out))
     return kind

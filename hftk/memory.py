@@ -55,7 +55,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any | None = None) -> d
         return zero_state_bytes(model, zero)
     params = list(model.parameters())
     counts = {
-        "params": tensor_bytes(params),
+        "params": tensor_bytes([*params, *quantization_constants(model)]),
         "grads": tensor_bytes(p.grad for p in params if p.grad is not None),
         "optimizer": 0,
     }
@@ -64,6 +64,18 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any | None = None) -> d
         counts["optimizer"] = tensor_bytes(v for state in inner.state.values() for v in state.values())
     counts["total"] = counts["params"] + counts["grads"] + counts["optimizer"]
     return counts
+
+
+def quantization_constants(model: torch.nn.Module) -> Iterable[torch.Tensor]:
+    """The tensors bitsandbytes keeps beside its quantized weights, outside ``parameters()``: a 4-bit
+    layer's ``quant_state`` (absmax, code, offset, and the double-quantized absmax's own state) and an
+    8-bit weight's per-row scales (``SCB``)."""
+    for module in model.modules():
+        state = getattr(module, "quant_state", None) or getattr(getattr(module, "weight", None), "quant_state", None)
+        while state is not None and not isinstance(state, torch.Tensor):
+            yield from (getattr(state, key, None) for key in ("absmax", "code", "offset"))
+            state = getattr(state, "state2", None)
+        yield getattr(getattr(module, "weight", None), "SCB", None)
 
 
 # ---- DeepSpeed ZeRO: what a rank holds lies outside model.parameters() ----

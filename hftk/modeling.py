@@ -82,10 +82,49 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None) -> Any:
     return apply_template_choice(tokenizer, chat_template)
 
 
-def load_model(cfg: ModelConfig) -> Any:
-    """``AutoModelForCausalLM.from_pretrained`` with hftk's dtype / dropout / attention choices.
+def quantized_field(cfg: ModelConfig) -> str | None:
+    """The option that quantizes the base (``model.load_in_4bit`` / ``model.load_in_8bit``), or None."""
+    if cfg.load_in_4bit:
+        return "model.load_in_4bit"
+    return "model.load_in_8bit" if cfg.load_in_8bit else None
 
-    Gradient checkpointing is switched on by the engine (``training.gradient_checkpointing``).
+
+def compute_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The dtype 4-bit layers dequantize to for their matmul (default: the model's dtype)."""
+    return DTYPES[cfg.bnb_4bit_compute_dtype or cfg.model_dtype]
+
+
+def quantization_config(cfg: ModelConfig, shardable: bool = False) -> Any:
+    """transformers' ``BitsAndBytesConfig`` of this run, or None without quantization.
+
+    ``shardable`` (FSDP2): the packed 4-bit bytes are stored as compute-dtype elements, so every
+    parameter FSDP shards has one floating dtype (what TRL / Axolotl / accelerate set for FSDP QLoRA).
+    """
+    from transformers import BitsAndBytesConfig
+
+    if cfg.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if not cfg.load_in_4bit:
+        return None
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant, bnb_4bit_compute_dtype=compute_dtype(cfg),
+        bnb_4bit_quant_storage=compute_dtype(cfg) if shardable else torch.uint8,
+    )
+
+
+def local_device() -> str:
+    """Where this rank's quantized weights go (bitsandbytes quantizes while loading onto a device)."""
+    import os
+
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(cfg: ModelConfig, shardable: bool = False) -> Any:
+    """``AutoModelForCausalLM.from_pretrained`` with hftk's dtype / dropout / attention / quantization choices.
+
+    Gradient checkpointing is switched on by the engine (``training.gradient_checkpointing``);
+    ``shardable``: see :func:`quantization_config`.
     """
     from transformers import AutoModelForCausalLM
 
@@ -93,6 +132,9 @@ def load_model(cfg: ModelConfig) -> Any:
     kwargs: dict[str, Any] = {"dtype": DTYPES[cfg.model_dtype], "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
+    quantization = quantization_config(cfg, shardable)
+    if quantization is not None:
+        kwargs.update(quantization_config=quantization, device_map={"": local_device()})
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model_path(cfg), config=config, revision=cfg.model_revision, **kwargs
     )

@@ -22,6 +22,15 @@ parameters), activations (what the model's own forward saves for backward, trace
 device for the attention implementation the run uses: :mod:`hftk.activations`) and the runtime's
 own footprint (torch and the process group; the CUDA context on a GPU), measured on this project's
 machines. ``auto`` takes the least sharding that fits the per-rank budget with :data:`HEADROOM` to spare.
+
+A quantized base (QLoRA; ddp and fsdp only) replaces ``w P`` by what bitsandbytes stores: the
+weights it quantizes (every linear layer but the LM head) at 0.5 byte (4-bit) or 1 byte (8-bit)
+per parameter, plus their constants -- 4-bit: an fp32 absmax per 64 weights, or with double
+quantization an 8-bit one plus an fp32 absmax per 256 of those; 8-bit: an fp32 scale per output
+row -- and the rest in fp32 (``prepare_model_for_kbit_training`` upcasts it); the constants stay
+whole on every rank under FSDP. Adapters train in fp32. bitsandbytes' 8-bit optimizers
+(``optim`` containing ``8bit``) keep 2 bytes per element plus an fp32 absmax per 256 for tensors
+of 4096 elements or more that are not embeddings, and 8 bytes per element otherwise.
 """
 
 from __future__ import annotations
@@ -42,6 +51,10 @@ from hftk.strategies.deepspeed import MAX_LIVE_PARAMETERS, SUB_GROUP_SIZE
 # Least sharding first: ``auto`` takes the first that fits.
 PLAN_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload")
 DEEPSPEED_RUNTIME_BYTES = {"cpu": 50 * MIB, "gpu": 0}
+QUANT_BLOCK = 64  # bitsandbytes' 4-bit block size (one absmax per block)
+DOUBLE_QUANT_BLOCK = 256  # absmaxes per second-level block under double quantization
+OPTIM_8BIT_MIN = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep 32-bit state
+OPTIM_8BIT_BLOCK = 256  # elements per absmax of an 8-bit optimizer state
 
 
 # ---- the model's shape, without weights ----
@@ -70,6 +83,8 @@ def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | N
     params = list(model.parameters())
     blocks = [m for m in model.modules() if isinstance(m, block_class)]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    quantizable, rows = _quantizable(model)
+    optim_8bit = _optim_8bit(model)
     return ModelShape(
         params=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in params if p.requires_grad),
@@ -82,7 +97,36 @@ def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | N
         outside_blocks=sum(p.numel() for p in params if id(p) not in in_blocks),
         persistent=sum(p.numel() for p in params if p.numel() <= 10 * hidden),
         saved=profile(model, block_class),
+        quantizable=quantizable, quantizable_rows=rows, optim_8bit=sum(optim_8bit),
+        optim_8bit_tensors=len(optim_8bit),
     )
+
+
+def _quantizable(model: Any) -> tuple[int, int]:
+    """(weights, output rows) of the layers transformers hands to bitsandbytes: linear layers (GPT-2's
+    Conv1D too, which stores (in, out)) except the output embeddings (its ``get_keys_to_not_convert``);
+    PEFT's own adapter layers are not part of the base."""
+    import torch
+
+    head = model.get_output_embeddings()
+    weights = rows = 0
+    for name, module in model.named_modules():
+        conv1d = type(module).__name__ == "Conv1D"
+        if module is head or "lora_" in name or not (conv1d or isinstance(module, torch.nn.Linear)):
+            continue
+        weights += module.weight.numel()
+        rows += module.weight.shape[1 if conv1d else 0]
+    return weights, rows
+
+
+def _optim_8bit(model: Any) -> list[int]:
+    """Elements of each trainable tensor a bitsandbytes 8-bit optimizer keeps in 8 bits (the Trainer keeps
+    embeddings in 32 bits; bitsandbytes keeps tensors under ``min_8bit_size`` there too)."""
+    import torch
+
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return [p.numel() for p in model.parameters()
+            if p.requires_grad and id(p) not in embeddings and p.numel() >= OPTIM_8BIT_MIN]
 
 
 def _config_int(config: Any, *names: str) -> int:
@@ -126,16 +170,22 @@ def estimate(strategy: str, shape: ModelShape, inputs: PlanInputs) -> StrategyPl
     half = inputs.mixed_precision != "no"
     activations = activation_bytes(shape, inputs)
     runtime = RUNTIME_BYTES[inputs.device]
-    counters = 4 * shape.trainable_tensors  # torch AdamW's per-parameter step counters
+    if inputs.quant_bits:  # QLoRA: the stored base as bitsandbytes keeps it; adapters in fp32
+        stored, constants = quantized_base_bytes(shape, inputs)
+        w = 4
+    else:
+        stored, constants = w * p, 0
     if strategy == "ddp":
         bucket = t * w  # the reducer's buckets hold a second copy of every gradient
-        return StrategyPlan(strategy, p * w, t * w, 2 * t * w + counters, bucket, activations, runtime, 0)
+        return StrategyPlan(strategy, stored + constants, t * w, optimizer_bytes(shape, inputs, w, 1), bucket,
+                            activations, runtime, 0)
     if strategy == "fsdp":
         # sharded parameters stay in the loaded dtype (MixedPrecisionPolicy casts only gathered copies)
-        gathered = (2 if half else w) * 2 * shape.largest_block  # the block in use + the prefetched one
+        per_param = stored / p  # bytes per parameter as stored (quantized: under w)
+        gathered = int((2 if half else per_param) * 2 * shape.largest_block)  # the block in use + the prefetched one
         transient = gathered + w * shape.largest_block + w * shape.outside_blocks  # its unsharded grads, the root
-        return StrategyPlan(strategy, w * _ceil(p, n), w * _ceil(t, n), 2 * w * _ceil(t, n) + counters, transient,
-                            activations, runtime, 0)
+        return StrategyPlan(strategy, _ceil(stored, n) + constants, w * _ceil(t, n), optimizer_bytes(shape, inputs, w, n),
+                            transient, activations, runtime, 0)
     # DeepSpeed: the model in d bytes (it casts to bf16/fp16); the optimizer steps fp32 partitions
     # (a master copy, except fp32 ZeRO-3 whose partition is the master); its gradient is an fp32
     # copy of the partition (ZeRO-3: of one sub-group of it at a time).
@@ -156,6 +206,28 @@ def estimate(strategy: str, shape: ModelShape, inputs: PlanInputs) -> StrategyPl
     offloaded = params + step_grad + optimizer if offload and inputs.device == "gpu" else 0
     return StrategyPlan(strategy, params, grads, optimizer, gathered + d * shape.persistent, activations, runtime,
                         offloaded)
+
+
+def quantized_base_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[int, int]:
+    """(bytes of the parameters as stored, bytes of the quantization constants beside them) of a
+    bitsandbytes base: the quantized weights packed, everything else fp32 (adapters included)."""
+    q, rest = shape.quantizable, 4 * (shape.params - shape.quantizable)
+    if inputs.quant_bits == 8:
+        return q + rest, 4 * shape.quantizable_rows  # int8 weights, an fp32 scale per output row
+    blocks = _ceil(q, QUANT_BLOCK)
+    constants = blocks + 4 * _ceil(blocks, DOUBLE_QUANT_BLOCK) if inputs.double_quant else 4 * blocks
+    return _ceil(q, 2) + rest, constants
+
+
+def optimizer_bytes(shape: ModelShape, inputs: PlanInputs, w: int, ranks: int) -> int:
+    """AdamW's state over ``ranks`` shards: two moments of ``w`` bytes and a step counter per tensor, or
+    bitsandbytes' 8-bit state (2 bytes and an fp32 absmax per 256 elements each, for large tensors)."""
+    t = shape.trainable
+    if inputs.optim_bits != 8:
+        return 2 * w * _ceil(t, ranks) + 4 * shape.trainable_tensors
+    small, large = t - shape.optim_8bit, shape.optim_8bit
+    qmaps = 2 * 256 * 4 if large else 0  # the two 256-entry quantization maps, shared by every tensor
+    return _ceil(8 * small + 2 * large + 8 * _ceil(large, OPTIM_8BIT_BLOCK), ranks) + qmaps
 
 
 def _ceil(count: int, ranks: int) -> int:
@@ -203,18 +275,28 @@ def inputs_from_config(cfg: Any, world_size: int, budget: int) -> PlanInputs:
         mixed_precision="bf16" if t.get("bf16") else "fp16" if t.get("fp16") else "no",
         gradient_checkpointing=bool(t.get("gradient_checkpointing")), device="gpu" if on_gpu else "cpu",
         attention=cfg.model.attn_implementation or "sdpa",
+        **quantization_inputs(cfg.model.load_in_4bit, cfg.model.load_in_8bit, cfg.model.bnb_4bit_use_double_quant,
+                              str(cfg.args.optim)),
     )
+
+
+def quantization_inputs(load_in_4bit: bool, load_in_8bit: bool, double_quant: bool, optim: str) -> dict[str, Any]:
+    """The PlanInputs fields of a quantized base and a bitsandbytes 8-bit optimizer."""
+    return {"quant_bits": 4 if load_in_4bit else 8 if load_in_8bit else 0, "double_quant": double_quant,
+            "optim_bits": 8 if "8bit" in optim else 32}
 
 
 def runnable(cfg: Any, world_size: int) -> tuple[tuple[str, ...], dict[str, str]]:
     """The plan's strategies this config can run at this world size, and why the others cannot."""
-    from hftk import strategies
+    from hftk import strategies, support
+    from hftk.modeling import quantized_field
 
     ok, why = [], {}
     for name in PLAN_STRATEGIES:
         trial = copy.deepcopy(cfg)
         trial.strategy.strategy = name
         try:
+            support.check_quantized(name, quantized_field(cfg.model))
             strategies.get(name).validate(trial, world_size)
         except HftkError as exc:
             why[name] = exc.one_line()
@@ -286,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora_target_modules", default=None,
                    help="comma-separated LoRA targets (default: the architecture's attention and MLP projections)")
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32", help="dtype the weights are loaded in")
+    p.add_argument("--load_in_4bit", action="store_true", help="QLoRA: the base in 4 bits (bitsandbytes; needs "
+                   "--lora_r; planned for ddp and fsdp, the strategies that train it)")
+    p.add_argument("--load_in_8bit", action="store_true", help="the base in 8 bits (bitsandbytes; needs --lora_r)")
+    p.add_argument("--no_double_quant", action="store_true", help="4-bit without double quantization of the scales")
+    p.add_argument("--optim", default="adamw_torch", help="training.optim; one containing 8bit (adamw_bnb_8bit) "
+                   "counts bitsandbytes' 8-bit state")
     p.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default="no", help="training.bf16/fp16")
     p.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward")
     p.add_argument("--attn_implementation", default="sdpa", help="model.attn_implementation of the run: eager keeps "
@@ -319,6 +407,10 @@ def plan_command(argv: list[str]) -> int:
             raise HftkError(f"--{name}", "is required.", "e.g. hftk plan --model gpt2 --world_size 8 --device_memory 80")
     if args.lora_r < 0:
         raise HftkError("--lora_r", f"must be >= 0, got {args.lora_r}.", "use 0 (full fine-tuning) or e.g. 8.")
+    quant = quantization_inputs(args.load_in_4bit, args.load_in_8bit, not args.no_double_quant, args.optim)
+    if quant["quant_bits"] and not args.lora_r:
+        raise HftkError("--load_in_4bit" if args.load_in_4bit else "--load_in_8bit", "quantizes the frozen base, "
+                        "which trains only with LoRA.", "add --lora_r (e.g. 8).")
     device = args.device or _default_device()
     model_config = load_model_config(ModelConfig(model_name_or_path=args.model, model_revision=args.model_revision,
                                                  trust_remote_code=args.trust_remote_code))
@@ -331,13 +423,17 @@ def plan_command(argv: list[str]) -> int:
     inputs = PlanInputs(world_size=args.world_size, device_memory_bytes=int(args.device_memory * GIB),
                         seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype,
                         mixed_precision=args.mixed_precision, gradient_checkpointing=args.gradient_checkpointing,
-                        attention=args.attn_implementation, device=device)
+                        attention=args.attn_implementation, device=device,
+                        **quant)
     shape = model_shape(model_config, args.lora_r, args.lora_target_modules)
-    plans = plan(shape, inputs)
+    from hftk.support import QUANT_STRATEGIES
+
+    plans = plan(shape, inputs, QUANT_STRATEGIES if inputs.quant_bits else PLAN_STRATEGIES)
     chosen = pick(plans)
     from hftk.strategies.tensor import plan_rows
 
-    plans += plan_rows(model_config, shape, inputs, args.tp_size, args.sp_size, args.cp_size)
+    if not inputs.quant_bits:  # tp / cp / sp train no LoRA, so no quantized base
+        plans += plan_rows(model_config, shape, inputs, args.tp_size, args.sp_size, args.cp_size)
     if args.json:
         print(json.dumps({"shape": dataclasses.asdict(shape), "inputs": dataclasses.asdict(inputs),
                           "plans": [p.to_dict() for p in plans], "pick": chosen.strategy if chosen else None}))
@@ -356,7 +452,9 @@ def format_table(shape: ModelShape, inputs: PlanInputs, plans: list[StrategyPlan
     head = (f"{shape.params / 1e6:.1f}M parameters ({shape.trainable / 1e6:.2f}M trainable), world size "
             f"{inputs.world_size}, {inputs.device_memory_bytes / GIB:.1f} GiB per rank ({inputs.device}), "
             f"micro-batch {inputs.micro_batch} x {inputs.seq_len} tokens, {inputs.dtype}"
-            f"{'' if inputs.mixed_precision == 'no' else ' + ' + inputs.mixed_precision}")
+            f"{'' if inputs.mixed_precision == 'no' else ' + ' + inputs.mixed_precision}"
+            f"{f', {inputs.quant_bits}-bit base' if inputs.quant_bits else ''}"
+            f"{', 8-bit optimizer' if inputs.optim_bits == 8 else ''}")
     cols = ["strategy", "params", "grads", "optimizer", "model state", "offloaded", "transient", "activations",
             "runtime", "peak", "fits"]
     rows = [[p.strategy, *(_size(v) for v in (p.params, p.grads, p.optimizer, p.model_state, p.offloaded,

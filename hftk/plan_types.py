@@ -37,6 +37,10 @@ class ModelShape:
     outside_blocks: int  # embeddings, final norm, LM head: FSDP's root unit
     persistent: int  # parameters ZeRO-3 keeps whole on every rank (numel <= 10 h)
     saved: dict[str, SavedActivations]  # what backward keeps, per activations.trace_key (meta-device traces)
+    quantizable: int = 0  # weights bitsandbytes quantizes (linear layers but the LM head)
+    quantizable_rows: int = 0  # their output rows (8-bit: one fp32 scale each)
+    optim_8bit: int = 0  # trainable elements an 8-bit optimizer keeps in 8 bits
+    optim_8bit_tensors: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,9 @@ class PlanInputs:
     gradient_checkpointing: bool = False
     attention: str = "sdpa"  # model.attn_implementation (transformers' default for these families: sdpa)
     device: str = "gpu"  # "cpu": host memory is the device (offload moves nothing off it)
+    quant_bits: int = 0  # 4 / 8: the base loaded through bitsandbytes (QLoRA); 0: not quantized
+    double_quant: bool = True  # 4-bit: bnb_4bit_use_double_quant
+    optim_bits: int = 32  # 8: a bitsandbytes 8-bit optimizer (training.optim adamw_bnb_8bit, ...)
 
 
 @dataclass

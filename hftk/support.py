@@ -1,4 +1,5 @@
-"""What hftk supports: every strategy x model family x {full fine-tuning, LoRA}, in one table.
+"""What hftk supports: every strategy x model family x {full fine-tuning, LoRA}, plus a quantized
+(QLoRA) base per strategy, in one table.
 
 The strategies' validators take their LoRA refusals from here (:func:`check_lora`), the packing modes
 each strategy honours (:func:`check_packing`, :data:`PACKING_SUPPORT`); the README's
@@ -37,6 +38,37 @@ LORA_REFUSED = {
                       "(or auto) for LoRA, or set lora_r 0 to train the full model.")
     for strategy in _NO_LORA
 }
+# A bitsandbytes-quantized base (QLoRA: load_in_4bit / load_in_8bit) under the strategies shown to train
+# it with single-process parity (tests/test_qlora.py); the others are refused before launch, naming why.
+QUANT_FIELD = "model.load_in_4bit"
+QUANT_STRATEGIES = ("ddp", "fsdp")
+_QUANT_FIX = "use --strategy ddp or fsdp with load_in_4bit / load_in_8bit, or train LoRA on an unquantized base."
+
+
+def _quant_refusal(where: str, why: str) -> Refusal:
+    return Refusal(QUANT_FIELD, f"a bitsandbytes-quantized base is not supported under {where}: {why}.", _QUANT_FIX)
+
+
+_ZERO12 = _quant_refusal("DeepSpeed ZeRO-1/2", "its engine with bitsandbytes' packed weights is not verified by "
+                         "hftk's tests")
+_ZERO3 = _quant_refusal("ZeRO-3", "transformers loads a quantized base without ZeRO-3's partitioned init (every "
+                        "rank holds it whole), and hftk's ZeRO-3 path requires the partitioned load")
+QUANT_REFUSED = {
+    "zero1": _ZERO12, "zero2": _ZERO12, "zero3": _ZERO3, "zero3_offload": _ZERO3,
+    "pipeline": _quant_refusal("pipeline", "stages holding bitsandbytes layers are not verified by hftk's tests"),
+    **LORA_REFUSED,  # a quantized base trains adapters only, and LoRA is refused first there
+}
+assert set(QUANT_REFUSED) | set(QUANT_STRATEGIES) == set(STRATEGIES), "every strategy decides on a quantized base"
+
+
+def check_quantized(strategy: str, field: str | None) -> None:
+    """Raise the table's refusal of a quantized base under ``strategy``; ``field`` names the option that
+    quantizes (``model.load_in_4bit`` / ``model.load_in_8bit``), None when the base is not quantized."""
+    refusal = QUANT_REFUSED.get(strategy)
+    if field is not None and refusal is not None:
+        raise HftkError(field if refusal.field == QUANT_FIELD else refusal.field, refusal.problem, refusal.fix)
+
+
 # Families a strategy does not drive (its validator refuses them from here): Ulysses needs the
 # attention to take position ids through its kwargs, which GPT-2 and GPT-NeoX attention do not.
 STRATEGY_FAMILIES = {"sp": ("llama", "mistral", "qwen2")}
@@ -141,10 +173,14 @@ def render_markdown() -> str:
             return f"refused {mark(full)}"
         return "full, LoRA" if lora is None else f"full; LoRA refused {mark(lora)}"
 
+    def quantized(strategy: str) -> str:
+        refusal = QUANT_REFUSED.get(strategy)
+        return "QLoRA" if refusal is None else f"refused {mark(refusal)}"
+
     families = list(FAMILY_NAMES)
-    lines = ["| strategy | " + " | ".join(FAMILY_NAMES[f] for f in families) + " |",
-             "|---" * (len(families) + 1) + "|"]
-    lines += [f"| {s} | " + " | ".join(cell(s, f) for f in families) + " |" for s in STRATEGIES]
+    lines = ["| strategy | " + " | ".join(FAMILY_NAMES[f] for f in families) + " | 4/8-bit base (QLoRA; GPT-2, Llama) |",
+             "|---" * (len(families) + 2) + "|"]
+    lines += [f"| {s} | " + " | ".join(cell(s, f) for f in families) + f" | {quantized(s)} |" for s in STRATEGIES]
     lines += [""] + [f"[{i}] `{r.field}`: {r.problem}" + ("  " if i < len(notes) else "")
                      for i, r in enumerate(notes, 1)]
     return "\n".join(lines) + "\n"

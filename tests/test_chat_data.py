@@ -107,7 +107,7 @@ def test_long_conversations_dropped_or_truncated_to_whole_turns(tmp_path, capsys
 
 
 def test_several_datasets_concatenated_or_interleaved_and_recorded(tmp_path):
-    from hftk.hub import model_card, run_record
+    from hftk.run_record import model_card, run_record
 
     a = write_jsonl(tmp_path / "a.jsonl", [chat_row(answer=f"A{i}.") for i in range(6)])
     b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"In the beginning {i} was the word."} for i in range(6)])
@@ -123,7 +123,7 @@ def test_several_datasets_concatenated_or_interleaved_and_recorded(tmp_path):
     from_a = sum(r["labels"][0].item() == IGNORE_INDEX for r in train)  # text rows are labelled from token 0
     assert 0 < len(rows) - from_a < from_a  # both mixed, the heavier one more often
     args = type("A", (), {k: 1 for k in ("per_device_train_batch_size", "gradient_accumulation_steps")})()
-    from hftk.hub import HYPERPARAMETERS
+    from hftk.run_record import HYPERPARAMETERS
     for k in HYPERPARAMETERS:
         setattr(args, k, 1)
     record = run_record(p.cfg, args, 1, p.data_format, 0)

@@ -17,7 +17,8 @@ import pytest
 import torch
 import yaml
 
-from hftk.hub import CARD_FILE, MODEL_PATTERNS, RUN_FILE, folder_files
+from hftk.hub import MODEL_PATTERNS, folder_files
+from hftk.run_record import CARD_FILE, RUN_FILE
 from tests.faults import REPO, TOKEN, hub_env, hub_server, reference_run
 from tests.helpers import TINY_ARGS, load_weights, max_weight_diff, metrics, run
 

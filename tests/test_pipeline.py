@@ -122,7 +122,7 @@ def test_resume_from_checkpoint_is_exact(runs):
 def test_run_record_and_card_count_processes_and_replicas(runs, folder, processes, replicas):
     """2 stages on 2 processes is one replica over 2 processes (it was recorded as 1 process); the
     global batch counts replicas only."""
-    from hftk.hub import CARD_FILE, RUN_FILE
+    from hftk.run_record import CARD_FILE, RUN_FILE
 
     final = runs / folder / "final"
     record = json.loads((final / RUN_FILE).read_text())

@@ -271,7 +271,8 @@ def test_resume_under_tp_or_cp_is_exact(request, run, layout, tmp_path):
 
 @pytest.mark.slow
 def test_final_folder_of_a_tp_run_is_pushed_to_the_hub(gpt2_tp, hub):
-    from hftk.hub import CARD_FILE, folder_files
+    from hftk.hub import folder_files
+    from hftk.run_record import CARD_FILE
 
     files = hub.state.files(REPO)
     local = folder_files(gpt2_tp / "final")

@@ -96,7 +96,8 @@ def parse_single(name: str, argv: list[str]) -> tuple[Path, dict[str, Any]]:
     parser.add_argument("--out", type=Path, default=None, help="Report folder (default outputs/bench/NAME-TIME).")
     helps = getattr(sys.modules[fn.__module__], "OPTION_HELP", {})
     for key, param in options(fn).items():
-        parser.add_argument(f"--{key}", type=converter(param), default=param.default,
+        flag = {"nargs": "?", "const": True} if str(param.annotation).startswith("bool") else {}  # bare --flag: true
+        parser.add_argument(f"--{key}", type=converter(param), default=param.default, **flag,
                             help=helps.get(key, key) + ("" if param.default is None else f" (default: {param.default})"))
     ns = _parse(parser, argv)
     kwargs = vars(ns)

@@ -10,6 +10,9 @@ of freed heap resident and RSS hides what sharding saves (field notes). Per rank
   GPU); loading and imports come before it and are reported as ``lifetime_peak_mib``;
 - counted model state: bytes of parameters, gradients and optimizer state at the optimizer step;
 - the plan's prediction of both for the same model, batch and world size.
+
+With ``--lora_r R`` every strategy also runs with LoRA adapters of rank R, and with ``--load_in_4bit``
+on a 4-bit (QLoRA) base too, as rows ``STRATEGY lora`` / ``STRATEGY qlora`` beside full fine-tuning.
 """
 
 from __future__ import annotations
@@ -44,28 +47,43 @@ OPTION_HELP = {
     "strategies": "comma-separated strategies, run in this order (also tp: TP over all ranks; tp_fsdp: TP=2 x "
                   "FSDP2 over the rest, 4 ranks or more; cp: ring-attention context parallel over all ranks)",
     "timeout": "seconds before a launch is killed",
+    "lora_r": "also run every strategy with LoRA adapters of this rank (row 'STRATEGY lora'; 0: full fine-tuning only)",
+    "load_in_4bit": "with lora_r: also run every strategy on a 4-bit (nf4, double-quantized) base (row 'STRATEGY qlora')",
 }
+
+
+def variants(lora_r: int, load_in_4bit: bool) -> dict[str, list[str]]:
+    """Row suffix -> hftk train options: full fine-tuning, then LoRA, then QLoRA (as asked)."""
+    rows = {"": []}
+    if lora_r:
+        rows[" lora"] = ["--lora_r", str(lora_r)]
+        if load_in_4bit:
+            rows[" qlora"] = ["--lora_r", str(lora_r), "--load_in_4bit"]
+    return rows
 
 
 def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, block_size: int = 64,
                      micro_batch: int = 2, steps: int = 3, strategies: tuple[str, ...] = PLAN_STRATEGIES,
-                     train_args: list[str] | None = None, timeout: float = 900) -> dict[str, Any]:
-    """Run every strategy once at ``nproc`` ranks; write ``memory.md``, ``memory.png`` and ``memory.json``."""
+                     train_args: list[str] | None = None, timeout: float = 900, lora_r: int = 0,
+                     load_in_4bit: bool = False) -> dict[str, Any]:
+    """Run every strategy once at ``nproc`` ranks (and with LoRA / QLoRA when asked); write ``memory.md``,
+    ``memory.png`` and ``memory.json``."""
     out_dir = Path(out_dir)
     argv = [*BENCH_TRAIN_ARGS, "--model_name_or_path", model, "--block_size", str(block_size),
             "--per_device_train_batch_size", str(micro_batch), "--max_steps", str(steps),
             "--comm_profile_steps", "0", *(train_args or [])]  # the profiler's own memory would count
-    predictions = predict(argv, nproc, strategies)
     runs: dict[str, Any] = {}
     load_before = list(os.getloadavg())
-    for strategy in strategies:
-        work = out_dir / strategy
-        record = work / "memory.json"
-        wall = torchrun_module(nproc, "hftk.bench.memory_worker",
-                               [*argv, *strategy_args(strategy, nproc), "--output_dir", str(work / "run"),
-                                "--memory_out", str(record)],
-                               work, timeout, threads_per_rank(nproc))
-        runs[strategy] = summarise(json.loads(record.read_text()), predictions[strategy], wall)
+    for suffix, extra in variants(lora_r, load_in_4bit).items():
+        predictions = predict([*argv, *extra], nproc, strategies)
+        for strategy in strategies:
+            work = out_dir / (strategy + suffix.replace(" ", "_"))
+            record = work / "memory.json"
+            wall = torchrun_module(nproc, "hftk.bench.memory_worker",
+                                   [*argv, *extra, *strategy_args(strategy, nproc), "--output_dir", str(work / "run"),
+                                    "--memory_out", str(record)],
+                                   work, timeout, threads_per_rank(nproc))
+            runs[strategy + suffix] = summarise(json.loads(record.read_text()), predictions[strategy], wall)
     result: dict[str, Any] = {
         "model": model, "nproc": nproc, "block_size": block_size, "micro_batch": micro_batch, "steps": steps,
         "allocator": allocator.effective(), "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
@@ -77,6 +95,7 @@ def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, 
             run["peak_vs_ddp"] = run["peak_mib"] / ddp
         result["targets"] = {s: runs[s]["peak_vs_ddp"] <= SHARDED_TARGET for s in ("fsdp", "zero3") if s in runs}
     result["plan_within_target"] = {s: abs(r["plan_peak_error"]) <= PLAN_TARGET for s, r in runs.items()}
+    result["plan_model_state_within_10pct"] = {s: abs(r["plan_model_state_error"]) <= 0.1 for s, r in runs.items()}
     result["table"] = table(result)
     result["charts"] = [chart(result, out_dir / "memory.png")]
     (out_dir / "memory.json").write_text(json.dumps(result, indent=1))
@@ -144,13 +163,14 @@ def summarise(record: dict[str, Any], plan: StrategyPlan, wall_s: float) -> dict
 def table(result: dict[str, Any]) -> dict[str, Any]:
     runs = result["strategies"]
     columns = ["strategy", "peak MiB (max rank)", "x ddp", "model state MiB", "params / grads / optim MiB",
-               "plan model state MiB", "plan peak MiB", "plan peak error"]
+               "plan model state MiB", "plan model state error", "plan peak MiB", "plan peak error"]
     rows = []
     for name, r in runs.items():
         c = r["counted"]
         rows.append([name, f"{r['peak_mib']:.0f}", f"{r['peak_vs_ddp']:.3f}" if "peak_vs_ddp" in r else "-",
-                     f"{r['model_state_mib']:.0f}", f"{c['params']:.0f} / {c['grads']:.0f} / {c['optimizer']:.0f}",
-                     f"{r['plan_model_state_mib']:.0f}", f"{r['plan_peak_mib']:.0f}", f"{r['plan_peak_error']:+.0%}"])
+                     f"{r['model_state_mib']:.1f}", f"{c['params']:.1f} / {c['grads']:.1f} / {c['optimizer']:.1f}",
+                     f"{r['plan_model_state_mib']:.1f}", f"{r['plan_model_state_error']:+.1%}", f"{r['plan_peak_mib']:.0f}",
+                     f"{r['plan_peak_error']:+.0%}"])
     title = (f"per-rank memory, {result['model']}, {result['nproc']} ranks, micro-batch {result['micro_batch']} x "
              f"{result['block_size']} tokens, training-phase peak (malloc tuned)")
     return {"title": title, "columns": columns, "rows": rows}

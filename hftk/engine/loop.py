@@ -39,7 +39,7 @@ from hftk.checkpoint import (announce_resume, atomic_save, load_rng, resolve_res
 from hftk.data import announce_eval, collator
 from hftk.engine.guard import check_world
 from hftk.engine.trainer import FINAL_DIR, build_training_arguments, load_data
-from hftk.hub import run_record, save_run_record, write_run_files
+from hftk.run_record import run_record, save_run_record, write_run_files
 from hftk.modeling import load_model
 from hftk.monitor import MetricsCallback, append_jsonl, parameter_digest
 from hftk.resilience import (EXIT_NONFINITE, EXIT_PREEMPTED, EvaluationInterrupted, PreemptionSignal, agree,

@@ -43,6 +43,7 @@ from hftk.modeling import load_model
 from hftk.monitor import append_jsonl
 from hftk.resilience import (EXIT_NONFINITE, EXIT_PREEMPTED, EvaluationInterrupted, PreemptionSignal, agree,
                              nonfinite_gradients, preemptible, signal_name)
+from hftk.run_record import run_record, save_run_record, write_run_files
 from hftk.run_types import PreparedRun
 from hftk.strategies.mesh import MeshLayout, device_type
 from hftk.telemetry import RankMonitor, peak_memory_bytes
@@ -406,7 +407,7 @@ def run(prepared: PreparedRun) -> dict[str, float]:
                                  for key, value in t.items()}})
 
     def record(step: int, metrics: dict[str, float]) -> dict[str, Any]:
-        return hub.run_record(cfg, args, dist.get_world_size(), prepared.data_format, step, metrics, layout.data_size)
+        return run_record(cfg, args, dist.get_world_size(), prepared.data_format, step, metrics, layout.data_size)
 
     pusher = hub.RunPusher(cfg, args, dist.get_world_size(), prepared.data_format, reporter.path, layout.data_size) \
         if main and t.get("push_to_hub") else None
@@ -416,7 +417,7 @@ def run(prepared: PreparedRun) -> dict[str, float]:
     if resume:
         step = mesh_checkpoint.load(Path(resume), layout, optimizer, scheduler)
     if main:  # what `hftk push checkpoint-N` writes the model card from
-        hub.save_run_record(cfg.output_dir, record(0, {}))
+        save_run_record(cfg.output_dir, record(0, {}))
     reporter.log({"step": step, "layout": {**layout.describe, "world_size": dist.get_world_size(),
                                            "global_batch": global_batch, "max_steps": max_steps},
                   "local_shapes": local_shapes(layout.model)})
@@ -496,7 +497,7 @@ def run(prepared: PreparedRun) -> dict[str, float]:
     signal.uninstall()
     final = cfg.output_dir / FINAL_DIR
     mesh_checkpoint.save_hf_folder(final, layout, tokenizer,
-                                   lambda folder: hub.write_run_files(folder, record(step, result), t.get("hub_model_id")))
+                                   lambda folder: write_run_files(folder, record(step, result), t.get("hub_model_id")))
     if pusher is not None:
         pusher.push_final(final, step)  # waits; a failed push is reported, not raised
     reporter.close()

@@ -21,7 +21,8 @@ from hftk.data import announce_eval, collator, tokenize_sources
 from hftk.engine.guard import WorldGuard, check_world
 from hftk.errors import HftkError
 from hftk.memory import ModelStateCallback
-from hftk.hub import run_pusher, run_record, save_run_record, write_run_files
+from hftk.hub import run_pusher
+from hftk.run_record import run_record, save_run_record, write_run_files
 from hftk.modeling import load_model, load_tokenizer
 from hftk.monitor import MetricsCallback, SyncCheckCallback
 from hftk.resilience import StepGuard, guarded, step_guard
@@ -135,7 +136,8 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
 
     tokenizer, data = load_data(prepared, args)
     announce_eval(cfg.data, data.eval, args.per_device_eval_batch_size, args.world_size, args.process_index == 0)
-    model = strategy.prepare_model(lora.apply(load_model(cfg.model), cfg, args), cfg)  # LoRA before any sharding
+    base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
+    model = strategy.prepare_model(lora.apply(base, cfg, args), cfg)  # LoRA before any sharding
 
     # A strategy that owns its model/optimizer I/O (FSDP2 shards) supplies its own Trainer.
     make_trainer = strategy.trainer_factory(cfg) if hasattr(strategy, "trainer_factory") else Trainer

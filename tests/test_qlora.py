@@ -1,0 +1,230 @@
+"""QLoRA (a bitsandbytes 4-bit / 8-bit base), DoRA and 8-bit AdamW on 2 gloo ranks: losses equal one
+process's run of the same options within the LoRA suite's tolerance (tests/test_lora.py), the saved
+adapter loads with ``PeftModel.from_pretrained`` onto the quantized base and gives the run's own final
+eval loss, and what does not run is refused before launch by name.
+
+Two launches share the work (tests/workers/matrix_cells.py runs several runs in one process group):
+one process x batch 8 (the references), then 2 ranks x 4 (ddp, fsdp). Tiny GPT-2 (transformers swaps
+its Conv1D layers for bitsandbytes ``Linear4bit``, so PEFT's LoRA runs without ``fan_in_fan_out``)
+and tiny Llama, dropout off, r=8 on the default targets, 4 steps at lr 5e-3, AdamW epsilon 1e-4 (see
+tests/test_lora.py for why), clipping 1.0, eval batch 1 so two ranks average what one process does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hftk.errors import HftkError
+from tests.helpers import ROOT, TINY_ARGS, losses, metrics, require_ranks, tiny_eval_loss, torchrun
+
+WORKER = ROOT / "tests" / "workers" / "matrix_cells.py"
+STEPS = 4
+EVAL_BLOCKS = 16
+COMMON = ["--lora_r", "8", "--learning_rate", "5e-3", "--adam_epsilon", "1e-4", "--max_steps", str(STEPS),
+          "--max_grad_norm", "1.0", "--per_device_eval_batch_size", "1", "--max_eval_samples", str(EVAL_BLOCKS)]
+GPT2, LLAMA = ["--model_name_or_path", "builtin:gpt2-tiny"], ["--model_name_or_path", "builtin:llama-tiny"]
+Q4 = ["--load_in_4bit"]
+# name -> (options, strategies on 2 ranks); the reference is the same options in one process
+CASES = {
+    "gpt2-4bit": ([*GPT2, *Q4], ("ddp", "fsdp")),
+    "llama-4bit": ([*LLAMA, *Q4, "--bnb_4bit_use_double_quant", "false"], ("ddp", "fsdp")),
+    "llama-8bit": ([*LLAMA, "--load_in_8bit"], ("ddp",)),
+    "gpt2-dora": ([*GPT2, "--use_dora", "--use_rslora"], ("ddp",)),
+    "gpt2-adamw8bit": ([*GPT2, "--lora_r", "0", "--optim", "adamw_bnb_8bit"], ("ddp",)),  # full FT: 8-bit state
+}
+PAIRS = [(case, strategy) for case, (_, strategies) in CASES.items() for strategy in strategies]
+
+
+def argv(case: str, strategy: str | None, out: Path) -> list[str]:
+    options, _ = CASES[case]
+    batch = ["--per_device_train_batch_size", "8"] if strategy is None else [
+        "--strategy", strategy, "--per_device_train_batch_size", "4"]
+    return [*TINY_ARGS, *COMMON, *options, *batch, "--output_dir", str(out)]
+
+
+def launch(nproc: int, cells: list[dict], root: Path, name: str) -> None:
+    spec = root / f"{name}.json"
+    spec.write_text(json.dumps({"out": str(root), "cells": cells}))
+    result = torchrun(nproc, WORKER, [str(spec)], timeout=900)
+    assert result.returncode == 0, f"{name} launch failed:\n{result.output[-8000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    require_ranks(2)
+    root = tmp_path_factory.mktemp("qlora")
+    launch(1, [{"name": f"single-{c}", "argv": argv(c, None, root / f"single-{c}")} for c in CASES], root, "single")
+    launch(2, [{"name": f"{s}-{c}", "argv": argv(c, s, root / f"{s}-{c}")} for c, s in PAIRS], root, "two")
+    return root
+
+
+def final_eval_loss(folder: Path) -> float:
+    return [m["eval_loss"] for m in metrics(folder) if "eval_loss" in m][-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,strategy", PAIRS)
+def test_losses_match_single_process(runs, case, strategy):
+    ref, got = losses(runs / f"single-{case}"), losses(runs / f"{strategy}-{case}")
+    assert sorted(ref) == sorted(got) == list(range(1, STEPS + 1))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-4), (case, strategy, step, got, ref)
+    assert ref[STEPS] < ref[1] - 0.02, ref  # it learns
+    assert final_eval_loss(runs / f"{strategy}-{case}") == pytest.approx(final_eval_loss(runs / f"single-{case}"),
+                                                                         abs=1e-4)
+
+
+def quantized_base(case: str):
+    """The base of ``case`` quantized as the run loaded it (transformers' BitsAndBytesConfig, CPU)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from hftk.builtin import materialize_model
+
+    options, _ = CASES[case]
+    model = materialize_model(options[1])
+    if "--load_in_8bit" in options:
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                                    bnb_4bit_use_double_quant="--bnb_4bit_use_double_quant" not in options)
+    return AutoModelForCausalLM.from_pretrained(model, quantization_config=config, device_map={"": "cpu"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,strategy", [("gpt2-4bit", "fsdp"), ("llama-8bit", "ddp")])
+def test_adapter_reloads_on_the_quantized_base_at_the_live_eval_loss(runs, case, strategy, tmp_path):
+    from peft import PeftModel
+
+    folder = runs / f"{strategy}-{case}" / "final"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["fan_in_fan_out"] is False and config["r"] == 8
+    model = PeftModel.from_pretrained(quantized_base(case), str(folder))
+    assert any(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules())
+    assert tiny_eval_loss(model, tmp_path, EVAL_BLOCKS) == pytest.approx(final_eval_loss(folder.parent), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_dora_adapter_holds_magnitudes_as_peft_saves_them(runs):
+    """DoRA's magnitude vectors are saved under PEFT's own keys (get_peft_model_state_dict's), rsLoRA recorded."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hftk.builtin import materialize_model
+
+    folder = runs / "ddp-gpt2-dora" / "final"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["use_dora"] is True and config["use_rslora"] is True
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    assert any("lora_magnitude_vector" in k for k in saved)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(materialize_model("builtin:gpt2-tiny")),
+                                      str(folder))
+    loaded = get_peft_model_state_dict(model)
+    assert sorted(loaded) == sorted(saved)  # hftk's keys are PEFT's, so every magnitude loads
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+@pytest.mark.slow
+def test_adamw_8bit_keeps_8bit_state(runs):
+    """adamw_bnb_8bit really ran: the optimizer state each rank holds (memory.model_state_bytes, read from
+    the optimizer itself) is far below torch AdamW's 8 bytes per parameter. Of tiny GPT-2's ~250k
+    parameters, the embeddings (~147k) keep 32-bit state (the Trainer's override for bitsandbytes) and
+    the blocks' weights (~100k) 2 bytes, so the state is ~0.69 of AdamW's."""
+    (line,) = [m["model_state"] for m in metrics(runs / "ddp-gpt2-adamw8bit") if "model_state" in m]
+    for rank in line:
+        params = rank["param_elements_full"]
+        assert 2 * params < rank["optimizer"] < 0.75 * 8 * params, rank
+
+
+@pytest.mark.slow
+def test_merged_export_is_the_dequantized_base_plus_adapter(runs, tmp_path):
+    """``hftk export --merge`` of a QLoRA run: a full-precision GPT-2 folder (Conv1D layout back) at the
+    live eval loss -- the adapter merged into the base it was trained against -- and a card saying so."""
+    from transformers import AutoModelForCausalLM
+
+    from hftk.export import main as export_main
+
+    run, out = runs / "fsdp-gpt2-4bit", tmp_path / "merged"
+    assert export_main([str(run / "final"), str(out), "--merge"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert not getattr(model, "is_quantized", False) and model.dtype == torch.float32
+    assert tiny_eval_loss(model, tmp_path, EVAL_BLOCKS) == pytest.approx(final_eval_loss(run), abs=1e-4)
+    card = (out / "README.md").read_text()
+    assert "dequantized from its 4-bit (nf4, bitsandbytes)" in card, card
+
+
+@pytest.mark.parametrize("model,bits,double_quant", [("builtin:gpt2-tiny", 4, True), ("builtin:llama-tiny", 4, False),
+                                                      ("builtin:llama-tiny", 8, False)])
+def test_plan_counts_the_quantized_base_as_loaded(model, bits, double_quant):
+    """The plan's bytes of a quantized base + r=8 adapters equal what memory.model_state_bytes counts on
+    the real model (transformers + bitsandbytes + PEFT), within 3% (per-layer block rounding)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from hftk.builtin import builtin_model_config, materialize_model
+    from hftk.config import ModelConfig
+    from hftk.lora import lora_config
+    from hftk.memory import model_state_bytes
+    from hftk.plan import PlanInputs, estimate, model_shape
+
+    config = (BitsAndBytesConfig(load_in_8bit=True) if bits == 8 else BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=torch.float32))
+    base = AutoModelForCausalLM.from_pretrained(materialize_model(model), quantization_config=config,
+                                                device_map={"": "cpu"})
+    options = ModelConfig(lora_r=8, load_in_4bit=bits == 4, load_in_8bit=bits == 8)
+    peft = get_peft_model(prepare_model_for_kbit_training(base, use_gradient_checkpointing=False),
+                          lora_config(options, base.config.model_type))
+    counted = model_state_bytes(peft)["params"]
+    inputs = PlanInputs(world_size=1, device_memory_bytes=2**30, device="cpu", quant_bits=bits,
+                        double_quant=double_quant)
+    planned = estimate("ddp", model_shape(builtin_model_config(model), 8), inputs).params
+    assert planned == pytest.approx(counted, rel=0.03)
+    unquantized = estimate("ddp", model_shape(builtin_model_config(model), 8), PlanInputs(1, 2**30)).params
+    assert planned < 0.8 * unquantized  # embeddings (half of these tiny models) stay fp32
+
+
+def test_plan_command_plans_qlora_for_the_strategies_that_train_it(capsys):
+    from hftk.cli import main
+
+    assert main(["plan", "--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "1", "--lora_r",
+                 "8", "--load_in_4bit", "--optim", "adamw_bnb_8bit", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["strategy"] for p in out["plans"]] == ["ddp", "fsdp"] and out["inputs"]["quant_bits"] == 4
+    assert out["inputs"]["optim_bits"] == 8
+    assert main(["plan", "--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "1",
+                 "--load_in_4bit"]) == 2  # a quantized base trains only adapters
+
+
+def refusal(args: list[str], monkeypatch) -> HftkError:
+    from hftk.run import prepare
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(HftkError) as err:
+        prepare([*TINY_ARGS, *args])
+    return err.value
+
+
+@pytest.mark.parametrize("args,field,words", [
+    (["--load_in_4bit"], "model.load_in_4bit", "cannot be fully fine-tuned"),
+    (["--load_in_8bit"], "model.load_in_8bit", "cannot be fully fine-tuned"),
+    (["--use_dora"], "model.use_dora", "lora_r is 0"),
+    (["--lora_r", "8", "--load_in_4bit", "--load_in_8bit"], "model.load_in_8bit", "both set"),
+    (["--lora_r", "8", "--load_in_4bit", "--strategy", "zero3"], "model.load_in_4bit", "ZeRO-3"),
+    (["--lora_r", "8", "--load_in_8bit", "--strategy", "zero2"], "model.load_in_8bit", "ZeRO-1/2"),
+    (["--lora_r", "8", "--load_in_4bit", "--strategy", "pipeline"], "model.load_in_4bit", "pipeline"),
+    (["--lora_r", "8", "--load_in_4bit", "--strategy", "tp"], "model.lora_r", "tp"),
+    (["--lora_r", "8", "--load_in_8bit", "--strategy", "fsdp"], "model.load_in_8bit", "int8"),
+])
+def test_bad_quantization_options_are_refused_by_name(args, field, words, monkeypatch, tmp_path):
+    err = refusal([*args, "--output_dir", str(tmp_path)], monkeypatch)
+    assert err.field == field and words in err.problem, (err.field, err.problem)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="paged optimizers run on a GPU")
+def test_paged_optimizer_is_refused_without_a_gpu(monkeypatch, tmp_path):
+    err = refusal(["--optim", "paged_adamw_8bit", "--output_dir", str(tmp_path)], monkeypatch)
+    assert err.field == "training.optim" and "adamw_8bit" in err.fix
