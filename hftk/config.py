@@ -115,8 +115,9 @@ class DataConfig:
         "auto",
         "How examples become training rows. 'concat': concatenated and cut into full blocks (an example attends "
         "to the one before it: continued pre-training of plain text). 'bfd': whole examples placed into blocks of "
-        "block_size by best-fit decreasing (TRL's pack_dataset), each batch flattened padding-free with position "
-        "ids restarting at 0 per example, so no example attends to another (Trainer strategies; sdpa / eager / "
+        "block_size by best-fit decreasing (TRL's pack_dataset), position ids restarting at 0 per example and no "
+        "attention mask, so no example attends to another (rows padded to the batch's longest; one padding-free "
+        "row under flash attention) (Trainer strategies; sdpa / eager / "
         "flash attention). 'none': one example per row, each batch padded to its longest example (rounded up to "
         "pad_to_multiple_of; pipeline, tp and sp pad to block_size). 'auto': concat for plain text, else bfd "
         "where the strategy keeps packed examples apart, else none.",

@@ -532,31 +532,36 @@ def _check_resolved(packing: str) -> None:
         raise ValueError(f"data.packing {packing!r} is not resolved (hftk.validate.resolve_packing)")
 
 
-def collator(cfg: DataConfig, pad_id: int, fixed_length: int | None = None) -> Any:
+def collator(cfg: DataConfig, pad_id: int, fixed_length: int | None = None, attention: str | None = None) -> Any:
     """The batch builder of every engine: TRL's ``DataCollatorForLanguageModeling``.
 
-    ``bfd``: the batch's rows flattened into one padding-free row, ``position_ids`` restarting at 0 per
-    example and the label of every example's first token ignored (no token predicts the next example);
-    transformers builds the block-diagonal mask from those position ids only when neither an attention
-    mask nor a cache is in use, so the batch also says ``use_cache=False`` (a model in eval mode would
-    otherwise open a cache and let examples attend to each other). ``concat`` / ``none``: rows padded to
-    the batch's longest, rounded up to ``pad_to_multiple_of`` -- or to ``fixed_length`` for engines
-    whose shapes are fixed (pipeline stages, the mesh loop)."""
+    ``bfd``: ``position_ids`` restarting at 0 per example, no attention mask, the label of every
+    example's first token ignored (no token predicts the next example); transformers builds the
+    block-diagonal mask from those position ids only when neither an attention mask nor a cache is in
+    use, so the batch also says ``use_cache=False`` (a model in eval mode would otherwise open a cache
+    and let examples attend to each other). The packed rows stay apart, padded to the batch's longest
+    (sdpa / eager: each row's mask spans its own tokens, not the whole batch's); under flash attention
+    they are flattened into one padding-free row, the only form its varlen path reads as packed.
+    ``concat`` / ``none``: rows padded to the batch's longest, rounded up to ``pad_to_multiple_of`` --
+    or to ``fixed_length`` for engines whose shapes are fixed (pipeline stages, the mesh loop)."""
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     _check_resolved(cfg.packing)
     bfd = cfg.packing == "bfd"
-    multiple = fixed_length or (None if bfd else cfg.pad_to_multiple_of)
-    collate = DataCollatorForLanguageModeling(pad_token_id=pad_id, padding_free=bfd, pad_to_multiple_of=multiple)
+    flat = bfd and (attention or "").startswith("flash_attention")
+    multiple = fixed_length or (None if flat else cfg.pad_to_multiple_of)
+    collate = DataCollatorForLanguageModeling(pad_token_id=pad_id, padding_free=flat, return_position_ids=bfd,
+                                              pad_to_multiple_of=multiple)
 
     def build(examples: list[dict[str, Any]]) -> dict[str, Any]:
         plain = [{k: v.tolist() if hasattr(v, "tolist") else v for k, v in e.items()
                   if k in ("input_ids", "labels", "seq_lengths")} for e in examples]
         batch = collate(plain)
         if bfd:
-            # TRL's varlen metadata (cu_seq_lens, seq_idx) dropped: transformers derives the same boundaries
-            # from position_ids for sdpa, eager and flash attention alike.
+            # TRL's varlen metadata (cu_seq_lens, seq_idx) and padding mask dropped: transformers derives the
+            # boundaries from position_ids (padding restarts at 0: each pad token alone, its label ignored).
             batch = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+            batch["labels"][batch["position_ids"] == 0] = IGNORE_INDEX
             batch["use_cache"] = False
         return batch
 

@@ -80,10 +80,10 @@ DEFAULT_CONFIG_REFUSED = {
 }
 
 
-# Packing modes (data.packing) each engine honours. bfd needs the batch flattened into one row whose
-# position ids restart per example (transformers then masks across examples): the Trainer strategies
-# take that row as it is; the pipeline cuts batches into micro-batches by row and tp / cp / sp shard
-# rows by sequence with their own position ids, so they refuse it. Under pipeline, tp and sp 'none'
+# Packing modes (data.packing) each engine honours. bfd needs position ids that restart per example
+# and no attention mask (transformers then masks across examples): the Trainer strategies pass the
+# batch to the model as it is; the pipeline's stages build their own masks and tp / cp / sp shard rows
+# by sequence with their own position ids, so they refuse it. Under pipeline, tp and sp 'none'
 # pads to block_size (fixed shapes across stages and ranks); cp's ring takes no padding mask.
 _TRAINER = ("concat", "bfd", "none")
 PACKING_SUPPORT = {**{s: _TRAINER for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload")},
@@ -100,8 +100,8 @@ def packing_refusal(strategy: str, packing: str, attn_implementation: str | None
     """Why ``packing`` cannot run under ``strategy`` (or with that attention), or None."""
     if packing not in PACKING_SUPPORT[strategy]:
         why = ("ring attention takes no padding mask and does not keep packed examples apart"
-               if strategy == "cp" else "its batches are cut by row or by sequence, which breaks the flattened "
-               "padding-free row bfd needs")
+               if strategy == "cp" else "its stages or sequence shards build their own masks and position ids, "
+               "which do not follow bfd's per-example position ids")
         return Refusal("data.packing", f"packing {packing} is not supported with strategy {strategy}: {why}.",
                        f"use --packing {' or '.join(PACKING_SUPPORT[strategy])}, or a strategy of "
                        f"{', '.join(s for s, m in PACKING_SUPPORT.items() if packing in m)}.")

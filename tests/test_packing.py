@@ -52,31 +52,42 @@ def alone(model, ex: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 # sdpa for every family; eager where the attention code differs most (GPT-2's own, Llama's shared one).
+# Two layouts: the packed rows kept apart (sdpa / eager) and flattened into one row (what flash
+# attention's varlen path needs; sdpa reads the same position ids there too).
+@pytest.mark.parametrize("layout", ["rows", "flat"])
 @pytest.mark.parametrize("family,attn", [*((f, "sdpa") for f in FAMILIES), ("gpt2", "eager"), ("llama", "eager")])
-def test_bfd_example_equals_the_example_alone(models, family, attn):
+def test_bfd_example_equals_the_example_alone(models, family, attn, layout):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(models[family], attn_implementation=attn).eval()
-    items = examples(model.config.vocab_size, prompt=2)
+    items = examples(model.config.vocab_size)  # every token labelled: an example's first label must be dropped
     cfg = DataConfig(packing="bfd", block_size=32)
     packed = rows(dataset(items), "bfd", 32, "prompt_completion")
     assert len(packed) < len(items) and all(len(r) <= 32 for r in packed["input_ids"])
     assert sorted(n for r in packed["seq_lengths"] for n in r) == sorted(LENGTHS)  # every example whole
-    batch = collator(cfg, pad_id=0)([packed[i] for i in range(len(packed))])
-    assert batch["input_ids"].shape == (1, sum(LENGTHS))  # one padding-free row
+    collate = collator(cfg, pad_id=0, attention="flash_attention_2" if layout == "flat" else attn)
+    batch = collate([packed[i] for i in range(len(packed))])
+    if layout == "flat":
+        assert batch["input_ids"].shape == (1, sum(LENGTHS))  # one padding-free row
+    else:
+        assert batch["input_ids"].shape == (len(packed), max(len(r) for r in packed["input_ids"]))
+    assert "attention_mask" not in batch
+    by_ids = {tuple(e["input_ids"]): e for e in items}
+    total, count, seen = 0.0, 0, 0
     with torch.no_grad():
         out = model(**batch)  # eval mode: without use_cache=False a cache would join the examples
-        flat = out.logits[0]
-        total, count, start = 0.0, 0, 0
-        by_ids = {tuple(e["input_ids"]): e for e in items}
-        for pos in (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [flat.shape[0]]:
-            if pos == 0:
+    for row in range(batch["input_ids"].shape[0]):
+        starts = (batch["position_ids"][row] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
+        for start, end in zip(starts, starts[1:]):
+            ex = by_ids.get(tuple(batch["input_ids"][row, start:end].tolist()))
+            if ex is None:  # a pad token: its own segment, nothing learned from it
+                assert end - start == 1 and batch["labels"][row, start] == IGNORE_INDEX
                 continue
-            ex = by_ids[tuple(batch["input_ids"][0, start:pos].tolist())]
             logits, loss, n = alone(model, ex)
-            torch.testing.assert_close(flat[start:pos], logits, atol=1e-5, rtol=0)
-            total, count, start = total + loss, count + n, pos
-    assert count == int((batch["labels"][0, 1:] != IGNORE_INDEX).sum())  # no label predicts a next example
+            torch.testing.assert_close(out.logits[row, start:end], logits, atol=1e-5, rtol=0)
+            total, count, seen = total + loss, count + n, seen + 1
+    assert seen == len(items)
+    assert count == int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())  # no label predicts a next example
     assert out.loss.item() == pytest.approx(total.item() / count, abs=1e-5)
 
 

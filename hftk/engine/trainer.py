@@ -143,7 +143,8 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     make_trainer = strategy.trainer_factory(cfg) if hasattr(strategy, "trainer_factory") else Trainer
     trainer = make_trainer(
         model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
-        data_collator=collator(cfg.data, tokenizer.pad_token_id), processing_class=tokenizer,
+        data_collator=collator(cfg.data, tokenizer.pad_token_id, attention=cfg.model.attn_implementation),
+        processing_class=tokenizer,
     )
     for callback in run_callbacks(prepared, trainer, strategy):
         trainer.add_callback(callback)
