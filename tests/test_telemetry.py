@@ -12,7 +12,7 @@ import torch
 
 from hftk.comm.accounting import union_length
 from hftk.telemetry import (FIELDS, RankMonitor, comm_intervals, compute_dtype, device_peak_flops, flops_per_token,
-                            matmul_params, peak_memory_bytes, reset_peak_memory, summarize)
+                            matmul_params, summarize)
 from tests.helpers import ROOT, free_port, run
 
 
@@ -120,15 +120,29 @@ def test_comm_intervals_union_counts_overlap_once():
     assert union_length(spans) == 250  # ns; overlapping buckets count once
 
 
+PEAK_WINDOW = """
+import torch
+from hftk.telemetry import peak_memory_bytes, reset_peak_memory
+
+cpu = torch.device("cpu")
+assert reset_peak_memory(cpu)
+before = peak_memory_bytes(cpu)
+block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+assert peak_memory_bytes(cpu) >= before + 60 * 2**20, (before, peak_memory_bytes(cpu))
+del block
+assert reset_peak_memory(cpu)
+assert peak_memory_bytes(cpu) < before + 60 * 2**20
+"""
+
+
 def test_peak_memory_window_resets_and_sees_a_big_allocation():
-    cpu = torch.device("cpu")
-    assert reset_peak_memory(cpu)
-    before = peak_memory_bytes(cpu)
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    assert peak_memory_bytes(cpu) >= before + 60 * 2**20
-    del block
-    assert reset_peak_memory(cpu)
-    assert peak_memory_bytes(cpu) < before + 60 * 2**20
+    """In a fresh process: in this one, an earlier test (tokenising a 5 MB row) leaves free heap
+    memory still resident, which a new 64 MiB block can reuse without raising the resident set."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", PEAK_WINDOW], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_monitor_measures_compute_memory_and_profiled_step(tiny_model):

@@ -459,7 +459,7 @@ ERRORS = [
      "4 equal chunks"),
     *cpu_only_cases(("cp_dropout_on_cpu", 2, [*LLAMA, "--strategy", "cp", "--cp_size", "2", "--model_dropout", "0.1"],
                      "model.model_dropout", "dropout")),
-    ("cp_padding", 2, [*LLAMA, "--strategy", "cp", "--cp_size", "2", "--packing", "false"], "data.packing",
+    ("cp_padding", 2, [*LLAMA, "--strategy", "cp", "--cp_size", "2", "--packing", "none"], "data.packing",
      "padding"),
     ("cp_eager", 2, [*LLAMA, "--strategy", "cp", "--cp_size", "2", "--attn_implementation", "eager"],
      "model.attn_implementation", "sdpa"),
