@@ -82,7 +82,7 @@ class TokenCount:
         batch = self.collate(examples)
         ids = batch["input_ids"]
         self.counts["computed"] += ids.numel()
-        self.counts["real"] += int(batch["attention_mask"].sum()) if "attention_mask" in batch else ids.numel()
+        self.counts["real"] += sum(len(e["input_ids"]) for e in examples)  # the rows as built, before padding
         self.counts["labelled"] += int((batch["labels"][..., 1:] != -100).sum())
         return batch
 
