@@ -15,9 +15,9 @@ bytes, once), and SDPA with attention dropout runs the math path, which keeps th
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -77,6 +77,7 @@ def _trace(model: torch.nn.Module, block_class: type, seq_len: int, attention: s
     outside: dict[int, int] = {}
     block_inputs: dict[int, int] = {}
     per_block: list[dict[int, int]] = []
+    current: list[dict[int, int] | None] = [None]  # the block being run, None outside every block
 
     def keep(into: dict[int, int], tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -84,7 +85,7 @@ def _trace(model: torch.nn.Module, block_class: type, seq_len: int, attention: s
             into.setdefault(storage._cdata, storage.nbytes())
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        keep(per_block[-1] if per_block and per_block[-1] is not None else outside, tensor)
+        keep(outside if current[0] is None else current[0], tensor)
         return tensor
 
     def enter(module: Any, args: Any, kwargs: Any) -> None:  # a checkpoint keeps the block's tensor inputs
@@ -92,9 +93,10 @@ def _trace(model: torch.nn.Module, block_class: type, seq_len: int, attention: s
             if isinstance(leaf, torch.Tensor):
                 keep(block_inputs, leaf)
         per_block.append({})
+        current[0] = per_block[-1]
 
     def leave(*_: Any) -> None:
-        per_block.append(None)  # back outside the blocks
+        current[0] = None
 
     blocks = [m for m in model.modules() if isinstance(m, block_class)]
     handles = [b.register_forward_pre_hook(enter, with_kwargs=True) for b in blocks]
@@ -103,25 +105,16 @@ def _trace(model: torch.nn.Module, block_class: type, seq_len: int, attention: s
     previous = model.config._attn_implementation
     try:
         model.set_attn_implementation("eager" if attention in SCORE_KEEPING else "sdpa")
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention(attention):
+        fused = nullcontext() if attention in SCORE_KEEPING else _FlashOnMeta()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fused:
             model.train()(input_ids=ids, labels=ids)
     finally:
         model.set_attn_implementation(previous)
         for h in handles:
             h.remove()
-    inside = [b for b in per_block if b is not None]
-    everything = {k: v for part in (outside, *inside) for k, v in part.items()}
+    everything = {k: v for part in (outside, *per_block) for k, v in part.items()}
     return (sum(everything.values()), sum({**outside, **block_inputs}.values()),
-            max((sum(b.values()) for b in inside), default=0))
-
-
-@contextmanager
-def _fused_attention(attention: str) -> Iterator[None]:
-    if attention in SCORE_KEEPING:
-        yield
-        return
-    with _FlashOnMeta():
-        yield
+            max((sum(b.values()) for b in per_block), default=0))
 
 
 class _FlashOnMeta(TorchFunctionMode):
