@@ -85,11 +85,12 @@ def launch_worker(nproc: int, plan: dict[str, Any], work_dir: Path, timeout: flo
 def summarise(run: dict[str, Any], first_timed: int) -> dict[str, Any]:
     """Medians (with spread) over the timed steps of one hook's records (rank 0's view)."""
     timed = run["records"][first_timed:]
+    arrival_timed = "comm_time_s" in timed[0]  # absent on NCCL (see hftk.comm.accounting): shares left None
     return {
         "step_time_s": spread([r["wall_s"] for r in timed]),
         "cpu_time_s": spread([r["cpu_s"] for r in timed]),
-        "comm_share": spread([r["comm_time_s"] / r["wall_s"] for r in timed]),
-        "exposed_comm_share": spread([r["exposed_comm_s"] / r["wall_s"] for r in timed]),
+        "comm_share": spread([r["comm_time_s"] / r["wall_s"] for r in timed]) if arrival_timed else None,
+        "exposed_comm_share": spread([r["exposed_comm_s"] / r["wall_s"] for r in timed]) if arrival_timed else None,
         "bytes_per_step": timed[-1]["comm_bytes_per_step"],
         "compression_ratio": timed[-1]["comm_compression_ratio"],
         "collectives_per_step": timed[-1]["comm_collectives_per_step"],
@@ -107,6 +108,8 @@ def table(result: dict[str, Any]) -> dict[str, Any]:
                      fmt_spread(_percent(s["exposed_comm_share"])), f"{s['bytes_per_step'] / 2**20:.3f}",
                      f"{s['compression_ratio']:.1f}x", f"{s['eval_loss']:.3f}"])
     load = f"load avg {result['loadavg_before'][0]:.1f} -> {result['loadavg_after'][0]:.1f}"
+    if any(s["comm_share"] is None for s in result["hooks"].values()):
+        load += "; comm % not measured: NCCL futures complete on enqueue"
     return {"title": f"Gradient compression, {result['model']} ({result['params'] / 1e6:.1f}M params), "
                      f"{result['nproc']} ranks, {result['timed_steps']} timed steps of {result['steps']} "
                      f"({result['machine']['device']}, {load})",
@@ -115,8 +118,8 @@ def table(result: dict[str, Any]) -> dict[str, Any]:
             "rows": rows}
 
 
-def _percent(s: dict[str, float]) -> dict[str, float]:
-    return {key: 100 * value if key != "n" else value for key, value in s.items()}
+def _percent(s: dict[str, float] | None) -> dict[str, float] | None:
+    return None if s is None else {key: 100 * value if key != "n" else value for key, value in s.items()}
 
 
 def chart(result: dict[str, Any], path: Path) -> str:
@@ -124,9 +127,10 @@ def chart(result: dict[str, Any], path: Path) -> str:
     stats = result["hooks"]
     fig, (time_ax, bytes_ax, loss_ax) = figure(3, f"Gradient compression, {result['model']}, {result['nproc']} ranks")
     xs = range(len(hooks))
-    exposed = [stats[h]["step_time_s"]["median"] * stats[h]["exposed_comm_share"]["median"] for h in hooks]
-    hidden = [stats[h]["step_time_s"]["median"] * max(0.0, stats[h]["comm_share"]["median"]
-                                                     - stats[h]["exposed_comm_share"]["median"]) for h in hooks]
+    share = {h: (stats[h]["comm_share"] or {"median": 0.0})["median"] for h in hooks}  # 0: not timed (NCCL)
+    exposed_share = {h: (stats[h]["exposed_comm_share"] or {"median": 0.0})["median"] for h in hooks}
+    exposed = [stats[h]["step_time_s"]["median"] * exposed_share[h] for h in hooks]
+    hidden = [stats[h]["step_time_s"]["median"] * max(0.0, share[h] - exposed_share[h]) for h in hooks]
     rest = [stats[h]["step_time_s"]["median"] - e - hd for h, e, hd in zip(hooks, exposed, hidden)]
     time_ax.bar(xs, rest, label="compute")
     time_ax.bar(xs, hidden, bottom=rest, label="comm overlapped")

@@ -89,9 +89,10 @@ def train_step(replica: Replica, batch: torch.Tensor, max_grad_norm: float, chec
     replica.optimizer.step()
     replica.optimizer.zero_grad(set_to_none=True)
     wall = time.perf_counter() - wall0
-    counters = log_fields(stats.end_step())
-    record = {"loss": loss.item(), "wall_s": wall, "cpu_s": time.process_time() - cpu0,
-              "exposed_comm_s": exposed + counters["comm_wait_s"], **counters}
+    counters = log_fields(stats.end_step(), arrival_timed=stats.arrival_timed)
+    record = {"loss": loss.item(), "wall_s": wall, "cpu_s": time.process_time() - cpu0, **counters}
+    if stats.arrival_timed:  # NCCL's intervals time enqueueing: no exposed-communication figure from them
+        record["exposed_comm_s"] = exposed + counters["comm_wait_s"]
     if check_sync:
         digests: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(digests, parameter_digest(replica.ddp.module))

@@ -13,8 +13,9 @@ all-reduce is also counted as inter-node bytes (only leaders send those).
 Time is the union of the intervals during which at least one of the step's collectives was in
 flight (issue -> completion callback): overlapping collectives are not counted twice. This is
 wall time on gloo, whose futures complete when the data has arrived. NCCL futures complete once
-the work is ordered on the device's stream, so there the figure understates: use the profiler
-(``hftk.telemetry``'s communication share) for GPU timings.
+the work is ordered on the device's stream, so there the same intervals measure enqueueing, not
+transfer: they are logged under their own names (``comm_enqueue_time_s``, ``comm_enqueue_wait_s``)
+and ``comm_time_s`` is absent; the profiler (``hftk.telemetry``'s communication share) times GPUs.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class CommStats:
     """
 
     world_size: int
+    arrival_timed: bool = True  # the backend's futures complete when the data has arrived (gloo; not NCCL)
     current: StepCounters = field(default_factory=StepCounters)
     window: StepCounters = field(default_factory=StepCounters)
     window_steps: int = 0
@@ -146,13 +148,15 @@ class CommStats:
             self.window, self.window_steps = StepCounters(), 0
         if steps == 0:
             return {}
-        return log_fields(window, steps)
+        return log_fields(window, steps, self.arrival_timed)
 
 
-def log_fields(counters: StepCounters, steps: int = 1) -> dict[str, Any]:
-    """The metric names hftk logs for communication (per optimizer step, this rank)."""
+def log_fields(counters: StepCounters, steps: int = 1, arrival_timed: bool = True) -> dict[str, Any]:
+    """The metric names hftk logs for communication (per optimizer step, this rank); without
+    ``arrival_timed`` the in-flight times are named for what they measure (enqueueing)."""
     per = {name: getattr(counters, name) / steps for name in counters.__dataclass_fields__}
     ratio = per["fp32_allreduce_bytes"] / per["bytes_sent"] if per["bytes_sent"] else float("nan")
+    timed = "comm" if arrival_timed else "comm_enqueue"
     return {
         "comm_bytes_per_step": per["bytes_sent"],
         "comm_inter_node_bytes_per_step": per["inter_node_bytes"],
@@ -161,9 +165,9 @@ def log_fields(counters: StepCounters, steps: int = 1) -> dict[str, Any]:
         "comm_collectives_per_step": per["collectives"],
         "comm_hook_calls_per_step": per["hook_calls"],
         "comm_buckets": per["buckets"],
-        "comm_time_s": per["comm_time_s"],
+        f"{timed}_time_s": per["comm_time_s"],
         "comm_hook_time_s": per["hook_time_s"],
-        "comm_wait_s": per["wait_time_s"],
+        f"{timed}_wait_s": per["wait_time_s"],
     }
 
 

@@ -73,7 +73,8 @@ def register_compression(ddp_model: Any, cfg: StrategyConfig, process_group: Any
     ``grad_compression`` none it registers the plain all-reduce (for the byte counters, or to run
     it hierarchically). ``process_group`` restricts a flat hook to a data-parallel subgroup.
     """
-    stats = CommStats(world_size=dist.get_world_size(process_group))
+    stats = CommStats(world_size=dist.get_world_size(process_group),
+                      arrival_timed=dist.get_backend(process_group) == "gloo")
     if cfg.hierarchical_allreduce:
         if process_group is not None:
             raise ValueError("hierarchical all-reduce spans the whole world; it takes no process_group")
