@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hftk import support
 from hftk.config import ModelConfig, RunConfig
@@ -311,9 +313,27 @@ def save_adapter(model: Any, folder: Path, is_main: bool) -> None:
     tensors = adapter_tensors(model)
     if is_main:
         write_adapter(folder, model.peft_config[ADAPTER_NAME], tensors, adapter_shapes(model))
-        quantization = getattr(model.config, "quantization_config", None)
-        if quantization is not None:
-            (Path(folder) / QUANTIZATION_FILE).write_text(json.dumps(quantization.to_dict(), indent=2, default=str))
+        write_quantization_record(model, folder)
+
+
+def write_quantization_record(model: Any, folder: Path) -> None:
+    """A QLoRA adapter's base quantization beside it, so that a merge quantizes the base as in training."""
+    quantization = getattr(model.config, "quantization_config", None)
+    if quantization is not None:
+        (Path(folder) / QUANTIZATION_FILE).write_text(json.dumps(quantization.to_dict(), indent=2, default=str))
+
+
+class QuantizationRecordCallback(TrainerCallback):
+    """The Trainer's own ``checkpoint-N`` of a PEFT model holds the adapter but not the base's
+    quantization; this adds it while the checkpoint is still staged (before it is sealed)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if args.should_save and folder.is_dir() and not (folder / QUANTIZATION_FILE).exists():
+            write_quantization_record(self.model, folder)
 
 
 def save_final(trainer: Any, folder: Path) -> None:

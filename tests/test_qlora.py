@@ -25,6 +25,7 @@ WORKER = ROOT / "tests" / "workers" / "matrix_cells.py"
 STEPS = 4
 EVAL_BLOCKS = 16
 COMMON = ["--lora_r", "8", "--learning_rate", "5e-3", "--adam_epsilon", "1e-4", "--max_steps", str(STEPS),
+          "--save_strategy", "steps", "--save_steps", str(STEPS),  # one Trainer checkpoint-N to export
           "--max_grad_norm", "1.0", "--per_device_eval_batch_size", "1", "--max_eval_samples", str(EVAL_BLOCKS)]
 GPT2, LLAMA = ["--model_name_or_path", "builtin:gpt2-tiny"], ["--model_name_or_path", "builtin:llama-tiny"]
 Q4 = ["--load_in_4bit"]
@@ -155,6 +156,13 @@ def test_merged_export_is_the_dequantized_base_plus_adapter(runs, tmp_path):
     assert tiny_eval_loss(model, tmp_path, EVAL_BLOCKS) == pytest.approx(final_eval_loss(run), abs=1e-4)
     card = (out / "README.md").read_text()
     assert "dequantized from its 4-bit (nf4, bitsandbytes)" in card, card
+    # The Trainer's own checkpoint-N (ddp) merges into the same dequantized base as final/: equal weights
+    # (merged into the full-precision base instead, every quantized weight would differ).
+    merged = {}
+    for folder in ("final", f"checkpoint-{STEPS}"):
+        assert export_main([str(runs / "ddp-gpt2-4bit" / folder), str(tmp_path / folder), "--merge"]) == 0
+        merged[folder] = AutoModelForCausalLM.from_pretrained(tmp_path / folder).state_dict()
+    assert all(torch.equal(merged["final"][k], merged[f"checkpoint-{STEPS}"][k]) for k in merged["final"])
 
 
 @pytest.mark.parametrize("model,bits,double_quant", [("builtin:gpt2-tiny", 4, True), ("builtin:llama-tiny", 4, False),

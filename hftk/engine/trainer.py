@@ -105,6 +105,8 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
         callbacks[1:1] = strategy.callbacks(trainer)
     if cfg.tracking.check_sync_steps > 0:
         callbacks.append(SyncCheckCallback(cfg.tracking.check_sync_steps, metrics_cb.metrics_path))
+    if lora.is_peft(trainer.model):
+        callbacks.append(lora.QuantizationRecordCallback(trainer.model))
     return callbacks
 
 
