@@ -5,11 +5,15 @@ One launch per strategy runs every trial in one process group (hftk's engine, a 
 per trial): micro-batches 1, 2, 4, ... until the peak memory per rank (max over ranks: device
 memory on GPU, resident set on CPU with glibc told to return freed memory) passes the budget or
 the device runs out of memory; then each pair (b, global_batch / (b * ranks)) with b no larger
-than the largest fitting micro-batch, timed over a few steps.
+than the largest fitting micro-batch, timed over a few steps. A rank that runs out of memory ends
+its launch (its peers' collectives could never pair up again); a new launch goes on with the
+trials left.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -102,10 +106,10 @@ def run_batch_bench(out_dir: Path, strategies: list[str] | None = None, nproc: i
     for strategy in strategies:
         work = out_dir / strategy
         trials = plan_trials(nproc, global_batch, max_micro_batch, work)
-        launch = run_workers(nproc, {"mode": "batch", "argv": [*argv, "--strategy", strategy], "trials": trials,
-                                     "budget_bytes": budget_gb * GB}, work, timeout, threads)
-        per_strategy[strategy] = analyse(launch.ranks, nproc, block_size, warmup, global_batch)
-        per_strategy[strategy].update(loadavg_before=launch.loadavg_before, loadavg_after=launch.loadavg_after)
+        spec = {"mode": "batch", "argv": [*argv, "--strategy", strategy], "budget_bytes": budget_gb * GB}
+        ranks, loadavg = run_trials(nproc, spec, trials, work, timeout, threads)
+        per_strategy[strategy] = analyse(ranks, nproc, block_size, warmup, global_batch)
+        per_strategy[strategy].update(loadavg_before=loadavg[0], loadavg_after=loadavg[1])
     result: dict[str, Any] = {"model": model, "nproc": nproc, "block_size": block_size, "budget_gb": budget_gb,
                               "global_batch": global_batch, "max_micro_batch_tried": max_micro_batch,
                               "timed_steps": steps, "threads_per_rank": threads, "strategies": per_strategy}
@@ -114,12 +118,48 @@ def run_batch_bench(out_dir: Path, strategies: list[str] | None = None, nproc: i
     return result
 
 
+def run_trials(nproc: int, spec: dict[str, Any], trials: list[dict[str, Any]], work: Path, timeout: float,
+               threads: int) -> tuple[list[dict[str, Any]], tuple[list[float], list[float]]]:
+    """Every rank's trial records, over as many launches as out-of-memory trials end; and the load
+    average before the first launch and after the last."""
+    records: list[list[dict[str, Any]]] = [[] for _ in range(nproc)]
+    largest_fit, pending, before = 0, trials, list(os.getloadavg())
+    for attempt in range(len(trials)):
+        launch_dir = work if attempt == 0 else work / f"after_oom{attempt}"
+        progress = launch_dir / "progress"
+        try:
+            launch = run_workers(nproc, {**spec, "trials": pending, "largest_fit": largest_fit,
+                                         "progress": str(progress)}, launch_dir, timeout, threads)
+        except RuntimeError:
+            done = [json.loads(p.read_text())["trials"] if p.is_file() else []
+                    for p in (progress / f"rank{r}.json" for r in range(nproc))]
+            oom = next((t for rank in done for t in rank if t["oom"]), None)
+            if oom is None:
+                raise
+            finished = set.intersection(*({t["output_dir"] for t in rank if not t["oom"]} for rank in done))
+            for rank, mine in zip(records, done):
+                rank += [t for t in mine if t["output_dir"] in finished] + [oom]
+            largest_fit = max([t["micro_batch"] for t in records[0] if t["kind"] == "search" and t["fits"]], default=0)
+            rest = pending[[t["output_dir"] for t in pending].index(oom["output_dir"]) + 1:]
+            pending = [t for t in rest if t["kind"] == "pair"] if oom["kind"] == "search" else rest
+            print(f"hftk bench batch: micro-batch {oom['micro_batch']} x {oom['accumulation']} ran out of device "
+                  f"memory; {len(pending)} trial(s) left", flush=True)
+            if pending:
+                continue
+        else:
+            for rank, launched in zip(records, launch.ranks):
+                rank += launched["trials"]
+        break
+    return [{"trials": rank} for rank in records], (before, list(os.getloadavg()))
+
+
 def analyse(ranks: list[dict[str, Any]], nproc: int, block_size: int, warmup: int, global_batch: int) -> dict[str, Any]:
     """Largest fitting micro-batch and the fastest pair, from every rank's trial records."""
     trials = []
     for i, trial in enumerate(ranks[0]["trials"]):
         record = {k: trial[k] for k in ("kind", "micro_batch", "accumulation", "peak_mem_bytes", "oom", "fits")}
-        record["peak_mem_gb"] = record.pop("peak_mem_bytes") / GB
+        peak = record.pop("peak_mem_bytes")
+        record["peak_mem_gb"] = None if peak is None else peak / GB  # None: out of memory, nothing measured
         if not trial["oom"]:
             timed = timed_steps([r["trials"][i] for r in ranks], warmup)
             samples = trial["micro_batch"] * trial["accumulation"] * nproc
@@ -155,7 +195,7 @@ def table(result: dict[str, Any]) -> dict[str, Any]:
 def chart(result: dict[str, Any], path: Path) -> str:
     fig, (mem, thr) = figure(2, f"micro-batch vs memory and accumulation pairs ({result['model']})")
     for name, s in result["strategies"].items():
-        search = [t for t in s["trials"] if t["kind"] == "search"]
+        search = [t for t in s["trials"] if t["kind"] == "search" and t["peak_mem_gb"] is not None]
         mem.plot([t["micro_batch"] for t in search], [t["peak_mem_gb"] for t in search], marker="o", label=name)
         pairs = sorted((t for t in s["trials"] if "samples_per_s" in t and
                         t["micro_batch"] * t["accumulation"] * result["nproc"] == result["global_batch"]),

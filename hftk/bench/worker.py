@@ -152,19 +152,25 @@ def run_hand_loop(argv: list[str]) -> dict[str, Any]:
     return {"steps": clock.steps}
 
 
-def run_batch_trials(argv: list[str], trials: list[dict[str, Any]], budget_bytes: float | None) -> dict[str, Any]:
+OUT_OF_MEMORY_EXIT = 3  # a batch trial ran out of device memory on this rank (hftk.bench.batch relaunches)
+
+
+def run_batch_trials(argv: list[str], trials: list[dict[str, Any]], budget_bytes: float | None,
+                     progress: Path, largest_fit: int = 0) -> dict[str, Any]:
     """Trainer runs at each (micro_batch, accumulation) in order, in one process group.
 
-    A trial of kind ``search`` whose peak (max over ranks) exceeds the budget, or that runs out of
-    device memory, ends the search: later ``search`` trials are skipped. A ``pair`` trial runs only
-    when its micro-batch is no larger than the largest one that fitted.
+    A trial of kind ``search`` whose peak (max over ranks) exceeds the budget ends the search: later
+    ``search`` trials are skipped. A ``pair`` trial runs only when its micro-batch is no larger than
+    the largest one that fitted (``largest_fit`` when an earlier launch found it). After each trial
+    this rank's records so far are in ``progress``. A rank that runs out of device memory records the
+    trial and ends the launch at once: its peers may be inside a collective of that step, which it
+    can never join, so no later collective would pair up (``hftk.bench.batch`` relaunches).
     """
     from hftk.engine.trainer import build_trainer
     from hftk.run import prepare
 
-    results = []
+    results: list[dict[str, Any]] = []
     search_over = False
-    largest_fit = 0
     for trial in trials:
         if (trial["kind"] == "search" and search_over) or (trial["kind"] == "pair" and trial["micro_batch"] > largest_fit):
             continue
@@ -176,11 +182,13 @@ def run_batch_trials(argv: list[str], trials: list[dict[str, Any]], budget_bytes
         clock = StepClock()
         trainer.add_callback(StepClockCallback(clock))
         gc.collect()
-        oom = False
         try:
             trainer.train()
         except torch.OutOfMemoryError:
-            oom = True
+            results.append({**trial, "peak_mem_bytes": None, "oom": True, "fits": False, "steps": clock.steps})
+            _write_json(progress, {"trials": results})
+            sys.stdout.flush()
+            os._exit(OUT_OF_MEMORY_EXIT)
         # The run's own monitor measured each logging window's peak on every rank (rank 0 holds the
         # max over ranks); every rank takes rank 0's figure so that all decide alike.
         peak = _max_over_ranks(max(clock.peak_mem_mb, default=0.0) * 2**20, device)
@@ -188,12 +196,21 @@ def run_batch_trials(argv: list[str], trials: list[dict[str, Any]], budget_bytes
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        fits = not oom and (budget_bytes is None or peak <= budget_bytes)
+        fits = budget_bytes is None or peak <= budget_bytes
         if trial["kind"] == "search":
             search_over = not fits
             largest_fit = trial["micro_batch"] if fits else largest_fit
-        results.append({**trial, "peak_mem_bytes": peak, "oom": oom, "fits": fits, "steps": clock.steps})
+        results.append({**trial, "peak_mem_bytes": peak, "oom": False, "fits": fits, "steps": clock.steps})
+        _write_json(progress, {"trials": results})
     return {"trials": results}
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Complete or absent: written beside, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}")
+    tmp.write_text(json.dumps(payload))
+    tmp.rename(path)
 
 
 def _max_over_ranks(value: float, device: torch.device) -> float:
@@ -213,15 +230,13 @@ def main(spec_path: str) -> int:
     elif mode == "hand":
         result = run_hand_loop(spec["argv"])
     elif mode == "batch":
-        result = run_batch_trials(spec["argv"], spec["trials"], spec.get("budget_bytes"))
+        progress = Path(spec["progress"]) / f"rank{os.environ.get('RANK', '0')}.json"
+        result = run_batch_trials(spec["argv"], spec["trials"], spec.get("budget_bytes"), progress,
+                                  spec.get("largest_fit", 0))
     else:
         raise ValueError(f"unknown bench worker mode {mode!r}")
     rank = int(os.environ.get("RANK", "0"))
-    out = Path(spec["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".rank{rank}.json"
-    tmp.write_text(json.dumps({"rank": rank, **result}))
-    tmp.rename(out / f"rank{rank}.json")  # complete or absent: the launcher watches for these files
+    _write_json(Path(spec["out"]) / f"rank{rank}.json", {"rank": rank, **result})  # the launcher watches for these
     teardown()
     return 0
 
