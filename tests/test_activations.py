@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaC
 
 from hftk.activations import trace_key
 from hftk.plan import GIB, PlanInputs, model_shape, pick, plan
+from hftk.strategies.tensor import plan_rows
 from tests.helpers import run
 
 SEQ, BATCH = 1024, 2
@@ -108,6 +109,10 @@ def test_a_12b_llama_at_4k_tokens_fits_80_gib_with_sdpa_but_not_eager():
     assert pick(plan(shape, PlanInputs(**base, attention="flash_attention_2"))) is not None
     assert pick(plan(shape, PlanInputs(**base, attention="eager"))) is None
     assert pick(plan(shape, PlanInputs(**base, attention="eager", gradient_checkpointing=True))) is not None
+    # the tp / sp rows follow the attention too: eager's scores (86 GB per rank at tp2 / sp2) do not fit
+    for attention, fits in (("sdpa", True), ("flash_attention_2", True), ("eager", False)):
+        rows = plan_rows(config, shape, PlanInputs(**base, attention=attention), tp_size=2, sp_size=2)
+        assert [(row.strategy, row.fits) for row in rows] == [("tp2 x fsdp4", fits), ("sp2", fits)], (attention, rows)
 
 
 def test_auto_budgets_the_gpus_free_memory_and_the_runs_attention(monkeypatch):

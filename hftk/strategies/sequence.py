@@ -146,14 +146,17 @@ def estimate_memory(shape: Any, inputs: Any, sp: int) -> Any:
 
     Parameters, gradients and AdamW state are replicated (as under DDP); the flat all-reduce bucket
     is the transient. Each rank keeps ``s / sp`` tokens of every activation and attends over the
-    whole sequence for ``a / sp`` heads, so per layer ``b s h (34 + 5 a s / h) / sp``.
+    whole sequence for ``a / sp`` heads, so per layer ``b s h (34 + 5 a s / h) / sp``, the score
+    term only under eager attention (SDPA and flash kernels keep no scores).
     """
+    from hftk.activations import SCORE_KEEPING
     from hftk.plan_types import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
 
     w = DTYPE_BYTES[inputs.dtype]
     b, s, h = inputs.micro_batch, inputs.seq_len, shape.hidden
     scale = 2.0 if inputs.dtype == "float32" else 1.0  # the formula counts 16-bit activations
-    per_layer = b * s * h * (34 + 5 * shape.heads * s / h) * scale / sp
+    scores = 5 * shape.heads * s / h if inputs.attention in SCORE_KEEPING else 0
+    per_layer = b * s * h * (34 + scores) * scale / sp
     layers = (per_layer + b * s * h * 4 * (shape.layers - 1) / sp) if inputs.gradient_checkpointing \
         else per_layer * shape.layers
     activations = int(layers + 3 * b * s * shape.vocab * 4 / sp)

@@ -147,11 +147,12 @@ def estimate_memory(shape: Any, inputs: Any, tp: int, replicated: int, cp: int =
     ``replicated`` parameters (:func:`hftk.strategies.tp_plans.replicated_params`) stay whole under
     TP; everything else is split ``tp`` ways, then FSDP2 splits what a rank holds over
     ``world_size / tp`` (the ``cp`` ranks included). Activations follow Korthikanti et al. for TP
-    without sequence-parallel norms, per layer ``b s h (10 + 24 / t + 5 a s / (h t))``; under
-    ``cp`` ``s`` is the 1/cp of each sequence a rank holds and the score term ``5 a s / (h t)``
-    becomes a neighbour's K/V block ``2 / t`` (the ring's kernels keep no scores); the logits are
-    vocabulary-sharded.
+    without sequence-parallel norms, per layer ``b s h (10 + 24 / t + 5 a s / (h t))``, the score
+    term only under eager attention (SDPA and flash kernels keep no scores); under ``cp`` ``s`` is
+    the 1/cp of each sequence a rank holds and the score term becomes a neighbour's K/V block
+    ``2 / t`` (the ring's kernels keep no scores either); the logits are vocabulary-sharded.
     """
+    from hftk.activations import SCORE_KEEPING
     from hftk.plan_types import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
 
     data = max(inputs.world_size // tp, 1)
@@ -164,7 +165,7 @@ def estimate_memory(shape: Any, inputs: Any, tp: int, replicated: int, cp: int =
     b, s, h = inputs.micro_batch, max(inputs.seq_len // cp, 1), shape.hidden
     scale = 2.0 if inputs.dtype == "float32" else 1.0  # the formula counts 16-bit activations
     # ring attention runs flash-style kernels (no s x s scores kept) and holds a neighbour's K/V block
-    scores = 2 / tp if cp > 1 else 5 * shape.heads * s / (h * tp)
+    scores = 2 / tp if cp > 1 else 5 * shape.heads * s / (h * tp) if inputs.attention in SCORE_KEEPING else 0
     per_layer = b * s * h * (10 + 24 / tp + scores) * scale
     layers = (per_layer + b * s * h * 4 * (shape.layers - 1)) if inputs.gradient_checkpointing else per_layer * shape.layers
     activations = int(layers + 3 * b * s * shape.vocab * 4 / tp)
