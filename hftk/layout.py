@@ -13,17 +13,7 @@ from typing import Any
 import torch.nn as nn
 
 from hftk.errors import HftkError
-
-# model_type -> (backbone attribute, blocks, token embedding, position embedding, final norm)
-FAMILIES: dict[str, tuple[str, str, str, str | None, str]] = {
-    "gpt2": ("transformer", "h", "wte", "wpe", "ln_f"),
-    "gpt_neox": ("gpt_neox", "layers", "embed_in", None, "final_layer_norm"),
-    "llama": ("model", "layers", "embed_tokens", None, "norm"),
-    "mistral": ("model", "layers", "embed_tokens", None, "norm"),
-    "qwen2": ("model", "layers", "embed_tokens", None, "norm"),
-}
-# Dropout applied to the embeddings before the first block (families without one: none).
-EMBEDDING_DROPOUT = {"gpt2": "drop", "gpt_neox": "emb_dropout"}
+from hftk.families import FAMILIES, supported_families
 
 
 @dataclass
@@ -44,10 +34,6 @@ class DecoderLayout:
     @property
     def block_class(self) -> type[nn.Module]:
         return type(self.blocks[0])
-
-
-def supported_families() -> str:
-    return ", ".join(sorted(FAMILIES))
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -74,20 +60,20 @@ def layout(model: nn.Module) -> DecoderLayout:
     if model_type not in FAMILIES:
         raise HftkError("model.model_name_or_path", f"architecture '{model_type}' has no known decoder layout.",
                         f"use a model of a supported family ({supported_families()}).")
-    backbone_name, blocks, tok, pos, norm = FAMILIES[model_type]
-    backbone = getattr(model, backbone_name)
+    spec = FAMILIES[model_type]
+    backbone = getattr(model, spec.backbone)
     lm_head = model.get_output_embeddings()
-    token_embedding = getattr(backbone, tok)
+    token_embedding = getattr(backbone, spec.token_embedding)
     return DecoderLayout(
         family=model_type,
         backbone=backbone,
-        blocks=getattr(backbone, blocks),
+        blocks=getattr(backbone, spec.blocks),
         token_embedding=token_embedding,
-        position_embedding=getattr(backbone, pos) if pos else None,
-        final_norm=getattr(backbone, norm),
+        position_embedding=getattr(backbone, spec.position_embedding) if spec.position_embedding else None,
+        final_norm=getattr(backbone, spec.final_norm),
         lm_head=lm_head,
         tied=lm_head is not None and lm_head.weight is token_embedding.weight,
-        embedding_dropout=getattr(backbone, EMBEDDING_DROPOUT[model_type]) if model_type in EMBEDDING_DROPOUT else None,
+        embedding_dropout=getattr(backbone, spec.embedding_dropout) if spec.embedding_dropout else None,
         rotary=getattr(backbone, "rotary_emb", None),
     )
 

@@ -3,7 +3,7 @@
 The one place hftk knows about LoRA:
 
 - which modules to adapt: ``model.lora_target_modules``, or a default per architecture
-  (:data:`DEFAULT_TARGETS`), checked against the model's real module names before any process
+  (``families.FAMILIES``), checked against the model's real module names before any process
   group starts (:func:`validate`);
 - :func:`apply`: ``peft.get_peft_model`` on the loaded model, before any strategy wraps or
   shards it, with a seeded initialisation (FSDP2 and pipeline stages keep each rank's own
@@ -36,6 +36,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from hftk import support
 from hftk.config import ModelConfig, RunConfig
 from hftk.errors import HftkError
+from hftk.families import FAMILIES, supported_families
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -43,15 +44,6 @@ ADAPTER_NAME = "default"  # PEFT's name for the one adapter get_peft_model creat
 # Beside a QLoRA adapter: the BitsAndBytesConfig of the base it was trained on (PEFT records none), so that
 # `hftk export --merge` merges into that base dequantized -- the weights the adapter was trained against.
 QUANTIZATION_FILE = "hftk_quantization.json"
-_ATTENTION_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# model_type -> the attention and MLP projections (GPT-2's c_proj names both attention and MLP outputs).
-DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
-    "gpt2": ("c_attn", "c_proj", "c_fc"),
-    "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
-    "llama": _ATTENTION_MLP,
-    "mistral": _ATTENTION_MLP,
-    "qwen2": _ATTENTION_MLP,
-}
 # Layer types PEFT's LoRA can wrap (transformers' Conv1D is GPT-2's linear layer).
 ADAPTABLE = ("Linear", "Conv1D", "Embedding", "Conv1d", "Conv2d", "Conv3d")
 
@@ -62,11 +54,11 @@ def target_modules(cfg: ModelConfig, model_type: str) -> list[str]:
     """The module names to adapt: the user's list, else the architecture's attention and MLP projections."""
     if cfg.lora_target_modules:
         return [name.strip() for name in cfg.lora_target_modules.split(",") if name.strip()]
-    if model_type not in DEFAULT_TARGETS:
+    if model_type not in FAMILIES:
         raise HftkError("model.lora_target_modules", f"hftk has no default LoRA targets for architecture "
                         f"'{model_type}'.", f"pass --lora_target_modules with its attention / MLP layer names "
-                        f"(defaults exist for {', '.join(sorted(DEFAULT_TARGETS))}).")
-    return list(DEFAULT_TARGETS[model_type])
+                        f"(defaults exist for {supported_families()}).")
+    return list(FAMILIES[model_type].lora_targets)
 
 
 def lora_config(cfg: ModelConfig, model_type: str) -> Any:

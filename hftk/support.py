@@ -13,12 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hftk.errors import HftkError
-from hftk.layout import FAMILIES
+from hftk.families import FAMILIES
 from hftk.strategies import MODULES
 
 STRATEGIES = tuple(MODULES)
-FAMILY_NAMES = {"gpt2": "GPT-2", "gpt_neox": "GPT-NeoX", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-assert set(FAMILY_NAMES) == set(FAMILIES), "every family the layout knows needs a column here"
 
 
 @dataclass(frozen=True)
@@ -70,8 +68,8 @@ def check_quantized(strategy: str, field: str | None) -> None:
 
 
 # Families a strategy does not drive (its validator refuses them from here): Ulysses needs the
-# attention to take position ids through its kwargs, which GPT-2 and GPT-NeoX attention do not.
-STRATEGY_FAMILIES = {"sp": ("llama", "mistral", "qwen2")}
+# attention to take position ids through its kwargs (families.FamilySpec.ulysses).
+STRATEGY_FAMILIES = {"sp": tuple(f for f, spec in FAMILIES.items() if spec.ulysses)}
 # What a model built from the family's default config meets (the validator reads the config itself:
 # a Mistral without a sliding window trains under cp).
 DEFAULT_CONFIG_REFUSED = {
@@ -177,8 +175,8 @@ def render_markdown() -> str:
         refusal = QUANT_REFUSED.get(strategy)
         return "QLoRA" if refusal is None else f"refused {mark(refusal)}"
 
-    families = list(FAMILY_NAMES)
-    lines = ["| strategy | " + " | ".join(FAMILY_NAMES[f] for f in families) + " | 4/8-bit base (QLoRA; GPT-2, Llama) |",
+    families = list(FAMILIES)
+    lines = ["| strategy | " + " | ".join(FAMILIES[f].name for f in families) + " | 4/8-bit base (QLoRA; GPT-2, Llama) |",
              "|---" * (len(families) + 2) + "|"]
     lines += [f"| {s} | " + " | ".join(cell(s, f) for f in families) + f" | {quantized(s)} |" for s in STRATEGIES]
     lines += [""] + [f"[{i}] `{r.field}`: {r.problem}" + ("  " if i < len(notes) else "")

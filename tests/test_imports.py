@@ -100,3 +100,10 @@ def test_strategies_never_import_the_engine():
                     if name.startswith("hftk.strategies")
                     for target in targets if target == "hftk.engine" or target.startswith("hftk.engine."))
     assert not upward, "strategies import the engine: " + ", ".join(upward)
+
+
+def test_the_tables_everything_reads_are_leaves():
+    """The model-family table, the plan types and the error type import nothing above them."""
+    graph = import_graph()
+    assert graph["hftk.families"] == set() and graph["hftk.errors"] == set() and graph["hftk.activations"] == set()
+    assert graph["hftk.plan_types"] == {"hftk.activations"}

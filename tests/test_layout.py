@@ -7,7 +7,8 @@ import torch.nn as nn
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hftk.layout import FAMILIES, decoder_block_class, layout
+from hftk.families import FAMILIES
+from hftk.layout import decoder_block_class, layout
 
 SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 128}
@@ -42,3 +43,17 @@ def test_layout_sees_through_a_module_wrapper():
             self.module = module
 
     assert layout(Wrapper(model)).backbone is model.model
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_every_family_row_names_modules_its_model_has(model_type):
+    """One row of families.FAMILIES per family: its LoRA targets exist in a real model of the family
+    and its display name is what the README's support table shows."""
+    from hftk.config import ModelConfig
+    from hftk.lora import target_modules
+    from hftk.support import render_markdown
+
+    model = tiny(model_type)
+    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    assert set(target_modules(ModelConfig(), model_type)) <= leaves
+    assert f" {FAMILIES[model_type].name} |" in render_markdown().splitlines()[0]

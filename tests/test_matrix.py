@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from hftk.support import FAMILY_NAMES, STRATEGIES, Refusal, expected
+from hftk.families import FAMILIES
+from hftk.support import STRATEGIES, Refusal, expected
 from tests.helpers import ROOT, losses, torchrun
 
 # The first ZeRO-3 offload cell builds DeepSpeed's cpu_adam op once per machine (minutes, cached after).
@@ -106,7 +107,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
     """Every cell's outcome: ``"trains"`` (ran, finite losses, ``final/`` loaded back) or its Refusal."""
     root = tmp_path_factory.mktemp("matrix")
     start = time.perf_counter()
-    models = {family: make_family(family, root / "models" / family) for family in FAMILY_NAMES}
+    models = {family: make_family(family, root / "models" / family) for family in FAMILIES}
     outcomes: dict[tuple[str, str, bool], Any] = {}
     cells = []
     with pytest.MonkeyPatch.context() as monkeypatch:
@@ -149,16 +150,16 @@ def render_outcomes(outcomes: dict[tuple[str, str, bool], Any]) -> str:
         got = outcomes[key]
         return got if got == "trains" else f"refused ({got.field})"
 
-    lines = [f"{'strategy':<14} | " + " | ".join(f"{FAMILY_NAMES[f] + ' full / LoRA':<48}" for f in FAMILY_NAMES)]
+    lines = [f"{'strategy':<14} | " + " | ".join(f"{FAMILIES[f].name + ' full / LoRA':<48}" for f in FAMILIES)]
     for s in STRATEGIES:
         lines.append(f"{s:<14} | " + " | ".join(f"{cell((s, f, False)) + ' / ' + cell((s, f, True)):<48}"
-                                                for f in FAMILY_NAMES))
+                                                for f in FAMILIES))
     return "\n".join(lines)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_cell_trains_or_is_refused_as_the_support_table_says(matrix, strategy):
-    for family in FAMILY_NAMES:
+    for family in FAMILIES:
         for lora in (False, True):
             want = expected(strategy, family, lora)
             got = matrix[(strategy, family, lora)]

@@ -17,7 +17,7 @@ def test_readme_support_table_is_the_rendered_one():
 
 
 def test_every_strategy_and_family_has_a_row_and_a_column():
-    from hftk.layout import FAMILIES
+    from hftk.families import FAMILIES
     from hftk.strategies import MODULES
 
     table = support.render_markdown()

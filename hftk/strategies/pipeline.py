@@ -35,7 +35,8 @@ import torch.nn as nn
 from hftk.comm.collectives import all_reduce_flat
 from hftk.config import RunConfig, StrategyConfig
 from hftk.errors import HftkError
-from hftk.layout import FAMILIES, DecoderLayout, layout, supported_families
+from hftk.families import FAMILIES, supported_families
+from hftk.layout import DecoderLayout, layout
 
 ENGINE = "loop"  # hftk.engine.loop
 MANIFEST = "pipeline.json"

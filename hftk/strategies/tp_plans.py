@@ -22,9 +22,8 @@ import torch
 import torch.nn as nn
 
 from hftk.errors import HftkError
+from hftk.families import FAMILIES
 
-# Families whose attention was checked to run on local heads (tests/test_tensor_parallel.py).
-HF_PLAN_FAMILIES = ("llama", "mistral", "qwen2", "gpt_neox")
 # hftk's plan for GPT-2 after :func:`gpt2_to_linear`, relative to the model root.
 GPT2_PLAN = {
     "transformer.h.*.attn.c_attn.q": "colwise",
@@ -34,26 +33,26 @@ GPT2_PLAN = {
     "transformer.h.*.mlp.c_fc": "colwise",
     "transformer.h.*.mlp.c_proj": "rowwise",
 }
-BASE_PREFIX = {"llama": "model", "mistral": "model", "qwen2": "model", "gpt_neox": "gpt_neox", "gpt2": "transformer"}
 STYLES = ("colwise", "rowwise", "embedding_rowwise")
 
 
 def supported() -> str:
-    return ", ".join(sorted((*HF_PLAN_FAMILIES, "gpt2")))
+    return ", ".join(sorted(f for f, spec in FAMILIES.items() if spec.tp_plan))
 
 
 def block_plan(model_config: Any) -> dict[str, str]:
     """Style per module pattern (relative to the model root) for the decoder blocks of this family."""
     family = getattr(model_config, "model_type", None)
-    if family == "gpt2":
+    spec = FAMILIES.get(family)
+    if spec is not None and spec.tp_plan == "hftk":
         if getattr(model_config, "add_cross_attention", False):
             raise HftkError("model.model_name_or_path", "GPT-2 with cross-attention has no tensor-parallel plan in hftk.",
                             "use a decoder-only GPT-2, or strategy fsdp.")
         return dict(GPT2_PLAN)
-    if family not in HF_PLAN_FAMILIES:
+    if spec is None or spec.tp_plan != "transformers":
         raise HftkError("model.model_name_or_path", f"architecture '{family}' has no tensor-parallel plan in hftk.",
                         f"use a model of a family with a plan ({supported()}), or strategy fsdp / zero3.")
-    plan = {f"{BASE_PREFIX[family]}.{key}": style for key, style in (model_config.base_model_tp_plan or {}).items()}
+    plan = {f"{spec.backbone}.{key}": style for key, style in (model_config.base_model_tp_plan or {}).items()}
     unknown = sorted({s for s in plan.values() if s not in STYLES})
     if not plan or unknown:
         raise HftkError("model.model_name_or_path",
