@@ -51,6 +51,42 @@ def alone(model, ex: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor, 
     return logits, loss, int((labels != IGNORE_INDEX).sum())
 
 
+def packed(vocab: int, attention: str | None = None, fixed_length: int | None = None
+           ) -> tuple[list[dict[str, list[int]]], dict[str, torch.Tensor]]:
+    """The examples (every token labelled: an example's first label must be dropped) and one bfd batch of
+    all of them, as ``hftk.data.collator`` builds it for that attention / fixed length."""
+    items = examples(vocab)
+    cfg = DataConfig(packing="bfd", block_size=32)
+    rows_ = rows(dataset(items), "bfd", 32, "prompt_completion")
+    assert len(rows_) < len(items) and all(len(r) <= 32 for r in rows_["input_ids"])
+    assert sorted(n for r in rows_["seq_lengths"] for n in r) == sorted(LENGTHS)  # every example whole
+    batch = collator(cfg, pad_id=0, fixed_length=fixed_length, attention=attention)([rows_[i] for i in range(len(rows_))])
+    assert "attention_mask" not in batch
+    return items, batch
+
+
+def assert_examples_apart(model, items: list[dict[str, list[int]]], batch: dict[str, torch.Tensor],
+                          logits: torch.Tensor, loss: float | None = None) -> None:
+    """Each example's slice of the packed ``logits`` equals ``model`` run on it alone (1e-5), pad tokens are
+    segments of one with no label, and ``loss`` (when given) is the token mean of the examples' own losses."""
+    by_ids = {tuple(e["input_ids"]): e for e in items}
+    total, count, seen = 0.0, 0, 0
+    for row in range(batch["input_ids"].shape[0]):
+        starts = (batch["position_ids"][row] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
+        for start, end in zip(starts, starts[1:]):
+            ex = by_ids.get(tuple(batch["input_ids"][row, start:end].tolist()))
+            if ex is None:  # a pad token: its own segment, nothing learned from it
+                assert end - start == 1 and batch["labels"][row, start] == IGNORE_INDEX
+                continue
+            alone_logits, alone_loss, n = alone(model, ex)
+            torch.testing.assert_close(logits[row, start:end], alone_logits, atol=1e-5, rtol=0)
+            total, count, seen = total + alone_loss, count + n, seen + 1
+    assert seen == len(items)
+    assert count == int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())  # no label predicts a next example
+    if loss is not None:
+        assert loss == pytest.approx(total.item() / count, abs=1e-5)
+
+
 # sdpa for every family; eager where the attention code differs most (GPT-2's own, Llama's shared one).
 # Two layouts: the packed rows kept apart (sdpa / eager) and flattened into one row (what flash
 # attention's varlen path needs; sdpa reads the same position ids there too).
@@ -60,35 +96,35 @@ def test_bfd_example_equals_the_example_alone(models, family, attn, layout):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(models[family], attn_implementation=attn).eval()
-    items = examples(model.config.vocab_size)  # every token labelled: an example's first label must be dropped
-    cfg = DataConfig(packing="bfd", block_size=32)
-    packed = rows(dataset(items), "bfd", 32, "prompt_completion")
-    assert len(packed) < len(items) and all(len(r) <= 32 for r in packed["input_ids"])
-    assert sorted(n for r in packed["seq_lengths"] for n in r) == sorted(LENGTHS)  # every example whole
-    collate = collator(cfg, pad_id=0, attention="flash_attention_2" if layout == "flat" else attn)
-    batch = collate([packed[i] for i in range(len(packed))])
+    items, batch = packed(model.config.vocab_size, "flash_attention_2" if layout == "flat" else attn)
     if layout == "flat":
         assert batch["input_ids"].shape == (1, sum(LENGTHS))  # one padding-free row
     else:
-        assert batch["input_ids"].shape == (len(packed), max(len(r) for r in packed["input_ids"]))
-    assert "attention_mask" not in batch
-    by_ids = {tuple(e["input_ids"]): e for e in items}
-    total, count, seen = 0.0, 0, 0
+        assert batch["input_ids"].shape[0] > 1 and batch["input_ids"].shape[1] <= 32  # rows apart, not flattened
     with torch.no_grad():
         out = model(**batch)  # eval mode: without use_cache=False a cache would join the examples
-    for row in range(batch["input_ids"].shape[0]):
-        starts = (batch["position_ids"][row] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
-        for start, end in zip(starts, starts[1:]):
-            ex = by_ids.get(tuple(batch["input_ids"][row, start:end].tolist()))
-            if ex is None:  # a pad token: its own segment, nothing learned from it
-                assert end - start == 1 and batch["labels"][row, start] == IGNORE_INDEX
-                continue
-            logits, loss, n = alone(model, ex)
-            torch.testing.assert_close(out.logits[row, start:end], logits, atol=1e-5, rtol=0)
-            total, count, seen = total + loss, count + n, seen + 1
-    assert seen == len(items)
-    assert count == int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())  # no label predicts a next example
-    assert out.loss.item() == pytest.approx(total.item() / count, abs=1e-5)
+    assert_examples_apart(model, items, batch, out.logits, out.loss.item())
+
+
+@pytest.mark.parametrize("family,attn", [*((f, "sdpa") for f in FAMILIES), ("gpt2", "eager"), ("llama", "eager")])
+def test_bfd_example_through_pipeline_stages_equals_the_example_alone(models, family, attn):
+    """The pipeline engine's path, in one process: its collator (rows of block_size), the batch's inputs as
+    ``_schedule_inputs`` hands them to every stage, and the stages run one after another. Each stage
+    must build the packed mask from the travelling position ids (fails when they restart at 0 per stage)."""
+    from transformers import AutoModelForCausalLM
+
+    from hftk.engine.loop import _pad_rows
+    from hftk.strategies.pipeline import build_stages
+
+    model = AutoModelForCausalLM.from_pretrained(models[family], attn_implementation=attn).eval()
+    items, batch = packed(model.config.vocab_size, fixed_length=32)
+    batch = _pad_rows(batch, batch["input_ids"].shape[0] + 1)  # as a short batch is filled up to micro-batches
+    assert batch["input_ids"].shape[1] == 32 and set(batch) == {"input_ids", "labels", "position_ids"}
+    hidden = batch["input_ids"]
+    with torch.no_grad():
+        for stage in build_stages(model, 2):
+            hidden = stage(hidden, position_ids=batch["position_ids"])
+    assert_examples_apart(model, items, {k: v[:-1] for k, v in batch.items()}, hidden[:-1])
 
 
 def test_dynamic_padding_gives_the_block_padded_loss_on_fewer_tokens(models):
@@ -129,7 +165,9 @@ CHAT = ["--model_name_or_path", "builtin:gpt2-tiny", "--chat_template", "chatml"
 
 @pytest.mark.parametrize("args,packing", [
     ([], "bfd"),  # conversations under a Trainer strategy
-    (["--strategy", "pipeline", "--pp_size", "2"], "none"),  # the pipeline cuts batches by row
+    (["--strategy", "pipeline", "--pp_size", "2"], "bfd"),  # the stages build the packed mask
+    (["--strategy", "pipeline", "--pp_size", "2", "--attn_implementation", "flash_attention_2"], "none"),
+    (["--strategy", "sp", "--sp_size", "2", "--model_name_or_path", "builtin:llama-tiny"], "none"),
     (["--packing", "none", "--pad_to_multiple_of", "8"], "none"),
 ])
 def test_auto_packing_resolves_by_format_and_strategy(tmp_path, monkeypatch, args, packing):
@@ -145,9 +183,11 @@ def test_auto_packing_resolves_by_format_and_strategy(tmp_path, monkeypatch, arg
 
 
 @pytest.mark.parametrize("args,field,words", [
-    (["--strategy", "pipeline", "--pp_size", "2", "--packing", "bfd"], "data.packing", "strategy pipeline"),
-    (["--strategy", "tp", "--tp_size", "2", "--packing", "bfd"], "data.packing", "strategy tp"),
-    (["--strategy", "sp", "--sp_size", "2", "--packing", "bfd"], "data.packing", "strategy sp"),
+    (["--strategy", "pipeline", "--pp_size", "2", "--packing", "bfd", "--attn_implementation", "flash_attention_2"],
+     "model.attn_implementation", "strategy pipeline (its batches are rows of block_size)"),
+    (["--strategy", "tp", "--tp_size", "2", "--packing", "bfd", "--attn_implementation", "flash_attention_2"],
+     "model.attn_implementation", "strategy tp"),
+    (["--strategy", "sp", "--sp_size", "2", "--packing", "bfd"], "data.packing", "Ulysses attention"),
     (["--strategy", "cp", "--cp_size", "2", "--packing", "bfd"], "data.packing", "ring attention"),
     (["--packing", "bfd", "--attn_implementation", "flex_attention"], "model.attn_implementation", "flex_attention"),
     (["--packing", "concat"], "data.packing", "attends to the one before"),
