@@ -127,6 +127,29 @@ def test_bfd_example_through_pipeline_stages_equals_the_example_alone(models, fa
     assert_examples_apart(model, items, {k: v[:-1] for k, v in batch.items()}, hidden[:-1])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfd_example_through_the_mesh_loop_batch_equals_the_example_alone(models, family):
+    """The mesh loop's path (tp / cp / sp), in one process on the plain model (tp 1): its batch from the
+    collator at block_size and its ``loss_sum``. The position ids must be the collator's (fails with 0.. per
+    row); 2 ranks of tp then give this loop's losses (the slow test below)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from hftk.engine.mesh_loop import loss_sum, make_batch, token_count
+
+    model = AutoModelForCausalLM.from_pretrained(models[family]).eval()
+    items = examples(model.config.vocab_size)
+    rows_ = rows(dataset(items), "bfd", 32, "prompt_completion")
+    collate = collator(DataConfig(packing="bfd", block_size=32), pad_id=0, fixed_length=32)
+    batch = make_batch(rows_, list(range(len(rows_))), "cpu", collate)
+    assert set(batch) == {"input_ids", "position_ids", "shift_labels"} and batch["input_ids"].shape[1] == 32
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        loss = float(loss_sum(model, batch) / token_count(batch))
+    labels = F.pad(batch["shift_labels"][:, :-1], (1, 0), value=IGNORE_INDEX)
+    assert_examples_apart(model, items, {**batch, "labels": labels}, logits, loss)
+
+
 def test_dynamic_padding_gives_the_block_padded_loss_on_fewer_tokens(models):
     from transformers import AutoModelForCausalLM
 
@@ -252,3 +275,38 @@ def test_bfd_trains_on_two_ranks_with_one_process_losses_and_resumes_exactly(tmp
         assert got.keys() == ref.keys() and all(abs(got[s] - ref[s]) < 1e-5 for s in ref), (name, got, ref)
     resumed, uninterrupted = losses(tmp_path / "resumed"), losses(tmp_path / "ddp")
     assert sorted(resumed) == [3, 4] and all(resumed[s] == pytest.approx(uninterrupted[s], abs=1e-6) for s in resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_bfd_under_pipeline_and_tp_trains_like_one_process_and_resumes_exactly(tmp_path):
+    """bfd through the engines the Trainer cannot drive, on 2 gloo ranks: a 2-stage pipeline (GPT-2, 2
+    micro-batches) logs the per-step losses of a one-process Trainer bfd run (same sampler: the loop's is
+    the Trainer's), tp 2 (Llama, the mesh loop) those of the mesh loop on one process; each resumed from
+    its step-2 checkpoint logs the uninterrupted steps 3-4. Launches shared per engine (finetune_cells)."""
+    from tests.helpers import finetune_cells, losses
+
+    data = varied_conversations(tmp_path / "chat.jsonl", n=64)
+    common = ["--chat_template", "chatml", "--dataset", data, "--block_size", "256", "--packing", "bfd",
+              "--eval_fraction", "0", "--max_steps", "4", "--max_train_samples", "64",
+              "--per_device_train_batch_size", "4"]
+    gpt2, llama = ["--model_name_or_path", "builtin:gpt2-tiny4"], ["--model_name_or_path", "builtin:llama-tiny"]
+    save = ["--save_strategy", "steps", "--save_steps", "2"]
+    out = {name: str(tmp_path / name) for name in ("trainer", "mesh", "pipe", "pipe-resumed", "tp", "tp-resumed")}
+    pipe = [*gpt2, *common, "--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2"]
+    tp = [*llama, *common, "--strategy", "tp", "--tp_size", "2"]
+    finetune_cells(1, {"trainer": [*gpt2, *common, "--output_dir", out["trainer"]],
+                       "mesh": [*llama, *common, "--strategy", "tp", "--output_dir", out["mesh"]]}, tmp_path)
+    resumed = ["--resume_from_checkpoint", "latest"]
+    finetune_cells(2, {"pipe": [*pipe, *save, "--output_dir", out["pipe"]],
+                       "pipe-resumed": [*pipe, *resumed, "--output_dir", out["pipe-resumed"]],
+                       "tp": [*tp, *save, "--output_dir", out["tp"]],
+                       "tp-resumed": [*tp, *resumed, "--output_dir", out["tp-resumed"]]}, tmp_path,
+                   options={f"{n}-resumed": {"copy": [tmp_path / n / "checkpoint-2", tmp_path / f"{n}-resumed" /
+                                                      "checkpoint-2"]} for n in ("pipe", "tp")})
+    for name, ref in {"pipe": "trainer", "tp": "mesh"}.items():
+        expected, got = losses(tmp_path / ref), losses(tmp_path / name)
+        assert sorted(expected) == sorted(got) == [1, 2, 3, 4], (name, got, expected)
+        assert all(abs(got[s] - expected[s]) < 1e-5 for s in expected), (name, got, expected)
+        again = losses(tmp_path / f"{name}-resumed")
+        assert sorted(again) == [3, 4] and all(again[s] == pytest.approx(got[s], abs=1e-6) for s in again), name
