@@ -118,7 +118,7 @@ class DataConfig:
         "block_size by best-fit decreasing (TRL's pack_dataset), position ids restarting at 0 per example and no "
         "attention mask, so no example attends to another (rows padded to the batch's longest; one padding-free "
         "row under flash attention) (Trainer strategies; sdpa / eager / "
-        "flash attention). 'none': one example per row, each batch padded to its longest example (rounded up to "
+        "flash attention; pipeline and tp: rows of block_size, sdpa / eager). 'none': one example per row, each batch padded to its longest example (rounded up to "
         "pad_to_multiple_of; pipeline, tp and sp pad to block_size). 'auto': concat for plain text, else bfd "
         "where the strategy keeps packed examples apart, else none.",
         choices=list(PACKINGS),

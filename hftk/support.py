@@ -80,32 +80,44 @@ DEFAULT_CONFIG_REFUSED = {
 
 # Packing modes (data.packing) each engine honours. bfd needs position ids that restart per example
 # and no attention mask (transformers then masks across examples): the Trainer strategies pass the
-# batch to the model as it is; the pipeline's stages build their own masks and tp / cp / sp shard rows
-# by sequence with their own position ids, so they refuse it. Under pipeline, tp and sp 'none'
-# pads to block_size (fixed shapes across stages and ranks); cp's ring takes no padding mask.
-_TRAINER = ("concat", "bfd", "none")
-PACKING_SUPPORT = {**{s: _TRAINER for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload")},
-                   "pipeline": ("concat", "none"), "tp": ("concat", "none"), "sp": ("concat", "none"),
-                   "cp": ("concat",)}
+# batch to the model as it is, the pipeline's stages build each stage's mask from the batch's position
+# ids with transformers' create_causal_mask (as the model's own forward does), and tp hands the batch
+# to the model itself. Under pipeline, tp and sp 'none' pads to block_size (fixed shapes across stages
+# and ranks); cp's ring takes no padding mask.
+_ALL = ("concat", "bfd", "none")
+PACKING_SUPPORT = {**{s: _ALL for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "pipeline", "tp")},
+                   "sp": ("concat", "none"), "cp": ("concat",)}
 assert set(PACKING_SUPPORT) == set(STRATEGIES), "every strategy needs its packing modes here"
+# Why a strategy refuses bfd (measured / read in the libraries they run on).
+BFD_REFUSED = {
+    "cp": "ring attention takes no padding mask and does not keep packed examples apart",
+    "sp": "DeepSpeed's Ulysses attention (UlyssesSPAttentionHF) drops the mask transformers builds from the "
+          "position ids and runs sdpa causally over the whole gathered row, so packed examples would attend "
+          "to each other (only its flash-attention path reads packed position ids, and hftk's sp runs sdpa)",
+}
+assert set(BFD_REFUSED) == {s for s, m in PACKING_SUPPORT.items() if "bfd" not in m}, "every bfd refusal says why"
 # Attention implementations that build the packed (block-diagonal) mask from position ids when no
 # attention mask is passed: transformers' sdpa and eager masks (masking_utils.find_packed_sequence_indices,
-# tested on CPU for GPT-2, GPT-NeoX, Llama, Mistral, Qwen2) and the flash kernels' varlen path.
+# tested on CPU for GPT-2, GPT-NeoX, Llama, Mistral, Qwen2) and the flash kernels' varlen path, which
+# reads packing only from a batch of one row (modeling_flash_attention_utils._is_packed_sequence). The
+# Trainer's collator flattens bfd batches into that one row under flash attention; pipeline stages and
+# the mesh loop take fixed (rows x block_size) batches, so they keep bfd to sdpa and eager.
 BFD_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+FIXED_SHAPE_BFD_ATTENTION = {"pipeline": ("sdpa", "eager"), "tp": ("sdpa", "eager")}
 
 
 def packing_refusal(strategy: str, packing: str, attn_implementation: str | None) -> Refusal | None:
     """Why ``packing`` cannot run under ``strategy`` (or with that attention), or None."""
     if packing not in PACKING_SUPPORT[strategy]:
-        why = ("ring attention takes no padding mask and does not keep packed examples apart"
-               if strategy == "cp" else "its stages or sequence shards build their own masks and position ids, "
-               "which do not follow bfd's per-example position ids")
-        return Refusal("data.packing", f"packing {packing} is not supported with strategy {strategy}: {why}.",
-                       f"use --packing {' or '.join(PACKING_SUPPORT[strategy])}, or a strategy of "
-                       f"{', '.join(s for s, m in PACKING_SUPPORT.items() if packing in m)}.")
-    if packing == "bfd" and attn_implementation is not None and attn_implementation not in BFD_ATTENTION:
+        return Refusal("data.packing", f"packing {packing} is not supported with strategy {strategy}: "
+                       f"{BFD_REFUSED[strategy]}.", f"use --packing {' or '.join(PACKING_SUPPORT[strategy])}, or a "
+                       f"strategy of {', '.join(s for s, m in PACKING_SUPPORT.items() if packing in m)}.")
+    allowed = FIXED_SHAPE_BFD_ATTENTION.get(strategy, BFD_ATTENTION)
+    if packing == "bfd" and attn_implementation is not None and attn_implementation not in allowed:
+        where = f" with strategy {strategy} (its batches are rows of block_size)" if strategy in \
+            FIXED_SHAPE_BFD_ATTENTION else ""
         return Refusal("model.attn_implementation", f"'{attn_implementation}' does not keep packed examples "
-                       "apart (packing bfd).", f"use one of {', '.join(BFD_ATTENTION)}, or --packing none.")
+                       f"apart (packing bfd){where}.", f"use one of {', '.join(allowed)}, or --packing none.")
     return None
 
 
@@ -116,13 +128,14 @@ def check_packing(strategy: str, packing: str, attn_implementation: str | None) 
         raise HftkError(refusal.field, refusal.problem, refusal.fix)
 
 
-def resolve_packing(strategy: str, data_format: str, packing: str) -> str:
-    """``auto`` -> concat for plain text, else bfd where ``strategy`` keeps packed examples apart, else none."""
+def resolve_packing(strategy: str, data_format: str, packing: str, attn_implementation: str | None = None) -> str:
+    """``auto`` -> concat for plain text, else bfd where ``strategy`` (with that attention) keeps packed
+    examples apart, else none."""
     if packing != "auto":
         return packing
     if data_format == "text":
         return "concat"
-    return "bfd" if "bfd" in PACKING_SUPPORT[strategy] else "none"
+    return "bfd" if packing_refusal(strategy, "bfd", attn_implementation) is None else "none"
 
 
 def family_refusal(strategy: str, family: str) -> Refusal | None:

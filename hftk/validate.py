@@ -261,7 +261,7 @@ def resolve_packing(cfg: RunConfig, data_format: str) -> None:
     """``data.packing`` from ``auto`` to the mode the formats and strategy call for, then the support
     table's refusals (strategy, attention implementation)."""
     d = cfg.data
-    d.packing = support.resolve_packing(cfg.strategy.strategy, data_format, d.packing)
+    d.packing = support.resolve_packing(cfg.strategy.strategy, data_format, d.packing, cfg.model.attn_implementation)
     if d.packing == "concat" and "messages" in data_format.split("+"):
         raise HftkError("data.packing", "concat would join conversations so that each attends to the one before it.",
                         "use --packing bfd (whole conversations kept apart) or none (one per row).")

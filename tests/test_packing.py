@@ -51,6 +51,42 @@ def alone(model, ex: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor, 
     return logits, loss, int((labels != IGNORE_INDEX).sum())
 
 
+def packed(vocab: int, attention: str | None = None, fixed_length: int | None = None
+           ) -> tuple[list[dict[str, list[int]]], dict[str, torch.Tensor]]:
+    """The examples (every token labelled: an example's first label must be dropped) and one bfd batch of
+    all of them, as ``hftk.data.collator`` builds it for that attention / fixed length."""
+    items = examples(vocab)
+    cfg = DataConfig(packing="bfd", block_size=32)
+    rows_ = rows(dataset(items), "bfd", 32, "prompt_completion")
+    assert len(rows_) < len(items) and all(len(r) <= 32 for r in rows_["input_ids"])
+    assert sorted(n for r in rows_["seq_lengths"] for n in r) == sorted(LENGTHS)  # every example whole
+    batch = collator(cfg, pad_id=0, fixed_length=fixed_length, attention=attention)([rows_[i] for i in range(len(rows_))])
+    assert "attention_mask" not in batch
+    return items, batch
+
+
+def assert_examples_apart(model, items: list[dict[str, list[int]]], batch: dict[str, torch.Tensor],
+                          logits: torch.Tensor, loss: float | None = None) -> None:
+    """Each example's slice of the packed ``logits`` equals ``model`` run on it alone (1e-5), pad tokens are
+    segments of one with no label, and ``loss`` (when given) is the token mean of the examples' own losses."""
+    by_ids = {tuple(e["input_ids"]): e for e in items}
+    total, count, seen = 0.0, 0, 0
+    for row in range(batch["input_ids"].shape[0]):
+        starts = (batch["position_ids"][row] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
+        for start, end in zip(starts, starts[1:]):
+            ex = by_ids.get(tuple(batch["input_ids"][row, start:end].tolist()))
+            if ex is None:  # a pad token: its own segment, nothing learned from it
+                assert end - start == 1 and batch["labels"][row, start] == IGNORE_INDEX
+                continue
+            alone_logits, alone_loss, n = alone(model, ex)
+            torch.testing.assert_close(logits[row, start:end], alone_logits, atol=1e-5, rtol=0)
+            total, count, seen = total + alone_loss, count + n, seen + 1
+    assert seen == len(items)
+    assert count == int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())  # no label predicts a next example
+    if loss is not None:
+        assert loss == pytest.approx(total.item() / count, abs=1e-5)
+
+
 # sdpa for every family; eager where the attention code differs most (GPT-2's own, Llama's shared one).
 # Two layouts: the packed rows kept apart (sdpa / eager) and flattened into one row (what flash
 # attention's varlen path needs; sdpa reads the same position ids there too).
@@ -60,35 +96,58 @@ def test_bfd_example_equals_the_example_alone(models, family, attn, layout):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(models[family], attn_implementation=attn).eval()
-    items = examples(model.config.vocab_size)  # every token labelled: an example's first label must be dropped
-    cfg = DataConfig(packing="bfd", block_size=32)
-    packed = rows(dataset(items), "bfd", 32, "prompt_completion")
-    assert len(packed) < len(items) and all(len(r) <= 32 for r in packed["input_ids"])
-    assert sorted(n for r in packed["seq_lengths"] for n in r) == sorted(LENGTHS)  # every example whole
-    collate = collator(cfg, pad_id=0, attention="flash_attention_2" if layout == "flat" else attn)
-    batch = collate([packed[i] for i in range(len(packed))])
+    items, batch = packed(model.config.vocab_size, "flash_attention_2" if layout == "flat" else attn)
     if layout == "flat":
         assert batch["input_ids"].shape == (1, sum(LENGTHS))  # one padding-free row
     else:
-        assert batch["input_ids"].shape == (len(packed), max(len(r) for r in packed["input_ids"]))
-    assert "attention_mask" not in batch
-    by_ids = {tuple(e["input_ids"]): e for e in items}
-    total, count, seen = 0.0, 0, 0
+        assert batch["input_ids"].shape[0] > 1 and batch["input_ids"].shape[1] <= 32  # rows apart, not flattened
     with torch.no_grad():
         out = model(**batch)  # eval mode: without use_cache=False a cache would join the examples
-    for row in range(batch["input_ids"].shape[0]):
-        starts = (batch["position_ids"][row] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
-        for start, end in zip(starts, starts[1:]):
-            ex = by_ids.get(tuple(batch["input_ids"][row, start:end].tolist()))
-            if ex is None:  # a pad token: its own segment, nothing learned from it
-                assert end - start == 1 and batch["labels"][row, start] == IGNORE_INDEX
-                continue
-            logits, loss, n = alone(model, ex)
-            torch.testing.assert_close(out.logits[row, start:end], logits, atol=1e-5, rtol=0)
-            total, count, seen = total + loss, count + n, seen + 1
-    assert seen == len(items)
-    assert count == int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())  # no label predicts a next example
-    assert out.loss.item() == pytest.approx(total.item() / count, abs=1e-5)
+    assert_examples_apart(model, items, batch, out.logits, out.loss.item())
+
+
+@pytest.mark.parametrize("family,attn", [*((f, "sdpa") for f in FAMILIES), ("gpt2", "eager"), ("llama", "eager")])
+def test_bfd_example_through_pipeline_stages_equals_the_example_alone(models, family, attn):
+    """The pipeline engine's path, in one process: its collator (rows of block_size), the batch's inputs as
+    ``_schedule_inputs`` hands them to every stage, and the stages run one after another. Each stage
+    must build the packed mask from the travelling position ids (fails when they restart at 0 per stage)."""
+    from transformers import AutoModelForCausalLM
+
+    from hftk.engine.loop import _pad_rows
+    from hftk.strategies.pipeline import build_stages
+
+    model = AutoModelForCausalLM.from_pretrained(models[family], attn_implementation=attn).eval()
+    items, batch = packed(model.config.vocab_size, fixed_length=32)
+    batch = _pad_rows(batch, batch["input_ids"].shape[0] + 1)  # as a short batch is filled up to micro-batches
+    assert batch["input_ids"].shape[1] == 32 and set(batch) == {"input_ids", "labels", "position_ids"}
+    hidden = batch["input_ids"]
+    with torch.no_grad():
+        for stage in build_stages(model, 2):
+            hidden = stage(hidden, position_ids=batch["position_ids"])
+    assert_examples_apart(model, items, {k: v[:-1] for k, v in batch.items()}, hidden[:-1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfd_example_through_the_mesh_loop_batch_equals_the_example_alone(models, family):
+    """The mesh loop's path (tp / cp / sp), in one process on the plain model (tp 1): its batch from the
+    collator at block_size and its ``loss_sum``. The position ids must be the collator's (fails with 0.. per
+    row); 2 ranks of tp then give this loop's losses (the slow test below)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from hftk.engine.mesh_loop import loss_sum, make_batch, token_count
+
+    model = AutoModelForCausalLM.from_pretrained(models[family]).eval()
+    items = examples(model.config.vocab_size)
+    rows_ = rows(dataset(items), "bfd", 32, "prompt_completion")
+    collate = collator(DataConfig(packing="bfd", block_size=32), pad_id=0, fixed_length=32)
+    batch = make_batch(rows_, list(range(len(rows_))), "cpu", collate)
+    assert set(batch) == {"input_ids", "position_ids", "shift_labels"} and batch["input_ids"].shape[1] == 32
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        loss = float(loss_sum(model, batch) / token_count(batch))
+    labels = F.pad(batch["shift_labels"][:, :-1], (1, 0), value=IGNORE_INDEX)
+    assert_examples_apart(model, items, {**batch, "labels": labels}, logits, loss)
 
 
 def test_dynamic_padding_gives_the_block_padded_loss_on_fewer_tokens(models):
@@ -129,7 +188,9 @@ CHAT = ["--model_name_or_path", "builtin:gpt2-tiny", "--chat_template", "chatml"
 
 @pytest.mark.parametrize("args,packing", [
     ([], "bfd"),  # conversations under a Trainer strategy
-    (["--strategy", "pipeline", "--pp_size", "2"], "none"),  # the pipeline cuts batches by row
+    (["--strategy", "pipeline", "--pp_size", "2"], "bfd"),  # the stages build the packed mask
+    (["--strategy", "pipeline", "--pp_size", "2", "--attn_implementation", "flash_attention_2"], "none"),
+    (["--strategy", "sp", "--sp_size", "2", "--model_name_or_path", "builtin:llama-tiny"], "none"),
     (["--packing", "none", "--pad_to_multiple_of", "8"], "none"),
 ])
 def test_auto_packing_resolves_by_format_and_strategy(tmp_path, monkeypatch, args, packing):
@@ -145,9 +206,11 @@ def test_auto_packing_resolves_by_format_and_strategy(tmp_path, monkeypatch, arg
 
 
 @pytest.mark.parametrize("args,field,words", [
-    (["--strategy", "pipeline", "--pp_size", "2", "--packing", "bfd"], "data.packing", "strategy pipeline"),
-    (["--strategy", "tp", "--tp_size", "2", "--packing", "bfd"], "data.packing", "strategy tp"),
-    (["--strategy", "sp", "--sp_size", "2", "--packing", "bfd"], "data.packing", "strategy sp"),
+    (["--strategy", "pipeline", "--pp_size", "2", "--packing", "bfd", "--attn_implementation", "flash_attention_2"],
+     "model.attn_implementation", "strategy pipeline (its batches are rows of block_size)"),
+    (["--strategy", "tp", "--tp_size", "2", "--packing", "bfd", "--attn_implementation", "flash_attention_2"],
+     "model.attn_implementation", "strategy tp"),
+    (["--strategy", "sp", "--sp_size", "2", "--packing", "bfd"], "data.packing", "Ulysses attention"),
     (["--strategy", "cp", "--cp_size", "2", "--packing", "bfd"], "data.packing", "ring attention"),
     (["--packing", "bfd", "--attn_implementation", "flex_attention"], "model.attn_implementation", "flex_attention"),
     (["--packing", "concat"], "data.packing", "attends to the one before"),
@@ -212,3 +275,38 @@ def test_bfd_trains_on_two_ranks_with_one_process_losses_and_resumes_exactly(tmp
         assert got.keys() == ref.keys() and all(abs(got[s] - ref[s]) < 1e-5 for s in ref), (name, got, ref)
     resumed, uninterrupted = losses(tmp_path / "resumed"), losses(tmp_path / "ddp")
     assert sorted(resumed) == [3, 4] and all(resumed[s] == pytest.approx(uninterrupted[s], abs=1e-6) for s in resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_bfd_under_pipeline_and_tp_trains_like_one_process_and_resumes_exactly(tmp_path):
+    """bfd through the engines the Trainer cannot drive, on 2 gloo ranks: a 2-stage pipeline (GPT-2, 2
+    micro-batches) logs the per-step losses of a one-process Trainer bfd run (same sampler: the loop's is
+    the Trainer's), tp 2 (Llama, the mesh loop) those of the mesh loop on one process; each resumed from
+    its step-2 checkpoint logs the uninterrupted steps 3-4. Launches shared per engine (finetune_cells)."""
+    from tests.helpers import finetune_cells, losses
+
+    data = varied_conversations(tmp_path / "chat.jsonl", n=64)
+    common = ["--chat_template", "chatml", "--dataset", data, "--block_size", "256", "--packing", "bfd",
+              "--eval_fraction", "0", "--max_steps", "4", "--max_train_samples", "64",
+              "--per_device_train_batch_size", "4"]
+    gpt2, llama = ["--model_name_or_path", "builtin:gpt2-tiny4"], ["--model_name_or_path", "builtin:llama-tiny"]
+    save = ["--save_strategy", "steps", "--save_steps", "2"]
+    out = {name: str(tmp_path / name) for name in ("trainer", "mesh", "pipe", "pipe-resumed", "tp", "tp-resumed")}
+    pipe = [*gpt2, *common, "--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2"]
+    tp = [*llama, *common, "--strategy", "tp", "--tp_size", "2"]
+    finetune_cells(1, {"trainer": [*gpt2, *common, "--output_dir", out["trainer"]],
+                       "mesh": [*llama, *common, "--strategy", "tp", "--output_dir", out["mesh"]]}, tmp_path)
+    resumed = ["--resume_from_checkpoint", "latest"]
+    finetune_cells(2, {"pipe": [*pipe, *save, "--output_dir", out["pipe"]],
+                       "pipe-resumed": [*pipe, *resumed, "--output_dir", out["pipe-resumed"]],
+                       "tp": [*tp, *save, "--output_dir", out["tp"]],
+                       "tp-resumed": [*tp, *resumed, "--output_dir", out["tp-resumed"]]}, tmp_path,
+                   options={f"{n}-resumed": {"copy": [tmp_path / n / "checkpoint-2", tmp_path / f"{n}-resumed" /
+                                                      "checkpoint-2"]} for n in ("pipe", "tp")})
+    for name, ref in {"pipe": "trainer", "tp": "mesh"}.items():
+        expected, got = losses(tmp_path / ref), losses(tmp_path / name)
+        assert sorted(expected) == sorted(got) == [1, 2, 3, 4], (name, got, expected)
+        assert all(abs(got[s] - expected[s]) < 1e-5 for s in expected), (name, got, expected)
+        again = losses(tmp_path / f"{name}-resumed")
+        assert sorted(again) == [3, 4] and all(again[s] == pytest.approx(got[s], abs=1e-6) for s in again), name

@@ -328,8 +328,7 @@ def _pad_rows(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tens
 
     The loss is divided by the count of real labels, so padded rows change nothing.
     """
-    batch = dict(batch)
-    batch.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
+    batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}  # bfd's use_cache flag: stages keep none
     extra = rows - batch["input_ids"].shape[0]
     if extra <= 0:
         return batch

@@ -105,13 +105,17 @@ def rank_slice(indices: list[int], micro: int, rank: int) -> list[int]:
 
 def make_batch(dataset: Any, indices: list[int], device: str, collate: Any) -> dict[str, torch.Tensor]:
     """Model inputs plus ``shift_labels`` (the next token per position; -100 where none); ``collate`` is
-    :func:`hftk.data.collator` at ``block_size`` (every rank and shard sees the same shape)."""
+    :func:`hftk.data.collator` at ``block_size`` (every rank and shard sees the same shape). Position ids
+    are the collator's under packing bfd (restarting per example, no attention mask: the model masks
+    across examples from them), else 0.. along each row."""
     rows = collate([dataset[i] for i in indices])
     input_ids = rows["input_ids"].to(device)
     labels = rows["labels"].to(device)
+    positions = rows.get("position_ids")
     batch = {
         "input_ids": input_ids,
-        "position_ids": torch.arange(input_ids.shape[1], device=device).expand_as(input_ids),
+        "position_ids": (torch.arange(input_ids.shape[1]).expand_as(input_ids) if positions is None
+                         else positions).to(device),
         "shift_labels": F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX),
     }
     if "attention_mask" in rows:

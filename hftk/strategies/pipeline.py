@@ -233,11 +233,16 @@ class DecoderStage(nn.Module):
         self.names = {f"{local}.{key}": f"{qualnames[id(module)]}.{key}"
                       for local, module in owned for key in module.state_dict()}
 
-    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` (packing bfd: restarting per example, no ``attention_mask``) reach every stage with
+        the batch; transformers' mask makers then build the packed block-diagonal mask from them, as in the
+        model's own forward. Without them positions count 0.. along the row."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         hidden = self.embed(inputs) if self.first else inputs
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         if self.position_embed is not None:
             hidden = hidden + self.position_embed(position_ids).to(hidden.device)
         if self.embed_dropout is not None:
@@ -399,7 +404,8 @@ def build_runtime(model: nn.Module, s: StrategyConfig, topo: Topology, bf16: boo
 def _schedule_inputs(rt: PipelineRuntime, batch: dict[str, torch.Tensor]) -> tuple[tuple, dict]:
     device = rt.topo.device
     args = (batch["input_ids"].to(device),) if rt.holds_first else ()
-    kwargs: dict[str, Any] = {"attention_mask": batch["attention_mask"].to(device)}
+    # every stage rebuilds its mask and positions: a padding mask (concat / none) or bfd's position ids
+    kwargs: dict[str, Any] = {k: batch[k].to(device) for k in ("attention_mask", "position_ids") if k in batch}
     if rt.holds_last:
         kwargs["target"] = batch["labels"].to(device)
         kwargs["losses"] = []
