@@ -148,24 +148,30 @@ def losses(output_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in metrics(output_dir) if "loss" in m}
 
 
-def tiny_eval_loss(model: Any, tmp_path: Path, max_blocks: int | None = None) -> float:
-    """The Trainer's eval_loss of ``model`` on the held-out blocks a TINY_ARGS run evaluates (the first
-    ``max_blocks``: a run's ``--max_eval_samples``), in this one process (full blocks, every label
-    counted: any batch size gives the per-block mean)."""
-    from transformers import Trainer, TrainingArguments, default_data_collator
-
+def tiny_blocks(tmp_path: Path, args: list[str] | None = None) -> Any:
+    """The training and held-out blocks (``hftk.data.TokenizedData``) a TINY_ARGS run plus ``args``
+    trains and evaluates on, built in this one process by hftk's data pipeline."""
     from hftk.data import tokenize_and_pack
     from hftk.modeling import load_tokenizer
     from hftk.run import prepare
 
-    cfg = (prepared := prepare([*TINY_ARGS, "--output_dir", str(tmp_path / "probe")])).cfg
-    blocks = tokenize_and_pack(cfg.data, prepared.raw, load_tokenizer(cfg.model), prepared.data_format,
-                               cfg.training["seed"]).eval
+    cfg = (prepared := prepare([*TINY_ARGS, *(args or []), "--output_dir", str(tmp_path / "probe")])).cfg
+    return tokenize_and_pack(cfg.data, prepared.raw, load_tokenizer(cfg.model), prepared.data_format,
+                             cfg.training["seed"])
+
+
+def tiny_eval_loss(model: Any, tmp_path: Path, max_blocks: int | None = None, args: list[str] | None = None) -> float:
+    """The Trainer's eval_loss of ``model`` on the held-out blocks a TINY_ARGS run (plus ``args``)
+    evaluates (the first ``max_blocks``: a run's ``--max_eval_samples``), in this one process (full
+    blocks, every label counted: any batch size gives the per-block mean)."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    blocks = tiny_blocks(tmp_path, args).eval
     if max_blocks is not None:
         blocks = blocks.select(range(min(max_blocks, len(blocks))))
-    args = TrainingArguments(output_dir=str(tmp_path / "eval"), use_cpu=True, per_device_eval_batch_size=8,
-                             report_to=[], disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, eval_dataset=blocks, data_collator=default_data_collator)
+    training = TrainingArguments(output_dir=str(tmp_path / "eval"), use_cpu=True, per_device_eval_batch_size=8,
+                                 report_to=[], disable_tqdm=True)
+    trainer = Trainer(model=model, args=training, eval_dataset=blocks, data_collator=default_data_collator)
     return trainer.evaluate()["eval_loss"]
 
 

@@ -109,3 +109,14 @@ def test_bad_bench_options_are_one_clear_line(args, field, tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and field in err[0] and "Fix:" in err[0], err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_every_bench_prints_its_help(name, capsys):
+    """``hftk bench NAME --help`` lists the bench's options (argparse formats help text with %: a
+    bare one in an option's help was a traceback)."""
+    from hftk.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["bench", name, "--help"])
+    assert done.value.code == 0 and "--timeout" in capsys.readouterr().out

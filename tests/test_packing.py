@@ -241,40 +241,47 @@ def varied_conversations(path, n: int = 48) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_bfd_trains_on_two_ranks_with_one_process_losses_and_resumes_exactly(tmp_path):
+def test_bfd_trains_on_two_ranks_with_one_process_losses_and_every_packing_resumes_exactly(tmp_path):
     """Every Trainer engine family (DDP, FSDP2, ZeRO-3, LoRA under DDP) under bfd on 2 gloo ranks
     gives the per-step losses of one process (2 x 2 packed rows = 4 rows per step either way, 4 steps
-    inside the first epoch: an epoch's short last batch is filled with repeated rows on 2 ranks), and a
-    run resumed from its step-2 checkpoint logs the uninterrupted run's steps 3-4 (the packed order is
-    part of the data position). One 2-rank launch runs every cell (tests/workers/matrix_cells.py)."""
-    import json
-
-    from tests.helpers import ROOT, TINY_ARGS, finetune, losses, metrics, torchrun
+    inside the first epoch: an epoch's short last batch is filled with repeated rows on 2 ranks). For
+    each packing mode (bfd and none on conversations, concat on plain text), a run resumed from its
+    step-2 checkpoint logs the uninterrupted run's steps 3-4 and ends on its final weights (the packed
+    order is part of the data position). One 2-rank launch runs every cell (``finetune_cells``)."""
+    from tests.helpers import finetune, finetune_cells, load_weights, losses, max_weight_diff, metrics
 
     data = varied_conversations(tmp_path / "chat.jsonl", n=64)
-    common = [*TINY_ARGS, "--chat_template", "chatml", "--dataset", data, "--block_size", "256",
-              "--packing", "bfd", "--eval_fraction", "0", "--max_steps", "4", "--max_train_samples", "64"]
+    steps = ["--eval_fraction", "0", "--max_steps", "4", "--max_train_samples", "64",
+             "--per_device_train_batch_size", "2"]
+    chat = ["--chat_template", "chatml", "--dataset", data, "--block_size", "256", *steps]
+    common = [*chat, "--packing", "bfd"]
     lora = ["--lora_r", "8", "--adam_epsilon", "1e-4"]
     for name, extra in {"single": [], "lora_single": lora}.items():
         finetune(1, [*common, *extra, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / name)])
-    two = {"ddp": ["--save_strategy", "steps", "--save_steps", "2"], "fsdp": ["--strategy", "fsdp"],
-           "zero3": ["--strategy", "zero3"], "lora_ddp": lora,
-           "resumed": ["--resume_from_checkpoint", str(tmp_path / "ddp" / "checkpoint-2")]}
-    spec = tmp_path / "cells.json"
-    spec.write_text(json.dumps({"out": str(tmp_path), "cells": [
-        {"name": name, "argv": [*common, *extra, "--per_device_train_batch_size", "2", "--output_dir",
-                                str(tmp_path / name)]} for name, extra in two.items()]}))
-    result = torchrun(2, ROOT / "tests" / "workers" / "matrix_cells.py", [str(spec)], timeout=1100)
-    assert result.returncode == 0, result.output[-6000:]
+    save = ["--save_strategy", "steps", "--save_steps", "2"]
+    modes = {"bfd": common, "none": [*chat, "--packing", "none"], "concat": [*steps, "--packing", "concat"]}
+    cells = {"fsdp": [*common, "--strategy", "fsdp"], "zero3": [*common, "--strategy", "zero3"],
+             "lora_ddp": [*common, *lora]}
+    for mode, args in modes.items():  # the uninterrupted run first: its checkpoint-2 is the resumed run's start
+        cells[mode] = [*args, *save]
+        cells[f"{mode}_resumed"] = [*args, "--resume_from_checkpoint", str(tmp_path / mode / "checkpoint-2")]
+    finetune_cells(2, {name: [*args, "--output_dir", str(tmp_path / name)] for name, args in cells.items()},
+                   tmp_path, timeout=1100)
     assert max(m["epoch"] for m in metrics(tmp_path / "single") if "loss" in m) <= 1  # 4 steps in one epoch
     single, lora_single = losses(tmp_path / "single"), losses(tmp_path / "lora_single")
     assert len(single) == 4
-    for name in ("ddp", "fsdp", "zero3", "lora_ddp"):
+    for name in ("bfd", "fsdp", "zero3", "lora_ddp"):
         ref = lora_single if name.startswith("lora") else single
         got = losses(tmp_path / name)
         assert got.keys() == ref.keys() and all(abs(got[s] - ref[s]) < 1e-5 for s in ref), (name, got, ref)
-    resumed, uninterrupted = losses(tmp_path / "resumed"), losses(tmp_path / "ddp")
-    assert sorted(resumed) == [3, 4] and all(resumed[s] == pytest.approx(uninterrupted[s], abs=1e-6) for s in resumed)
+    for mode in modes:
+        resumed, uninterrupted = losses(tmp_path / f"{mode}_resumed"), losses(tmp_path / mode)
+        assert sorted(resumed) == [3, 4], (mode, resumed)
+        assert all(resumed[s] == pytest.approx(uninterrupted[s], abs=1e-6) for s in resumed), \
+            (mode, resumed, uninterrupted)
+        diff = max_weight_diff(load_weights(tmp_path / mode / "final"),
+                               load_weights(tmp_path / f"{mode}_resumed" / "final"))
+        assert diff < 1e-6, f"{mode}: resumed final weights differ from the uninterrupted run's by {diff}"
 
 
 @pytest.mark.slow

@@ -7,6 +7,14 @@ log-uniform over a >= 10x spread) and trains one epoch of it per mode through hf
 ``pad_to_multiple_of = block_size``: every row padded to the block, the old one-example-per-block
 layout). One epoch is the fixed token budget: every mode sees every training example once.
 
+Equal tokens are not enough for a fair held-out loss: a packed row carries several examples, so at
+the same rows per step bfd takes a third of the optimizer steps of the padded modes. The packed
+modes (``concat``, ``bfd``) take ``micro_batch`` rows per rank; the one-example-per-row modes
+(``none``, ``pad-to-block``) take as many rows as a bfd batch holds examples (counted on the run's
+own bfd packing, before launch), so every mode takes about the same optimizer steps with about the
+same examples in each. That way round because rows of ~3 examples cannot match a small padded
+batch closely (4 examples: 1 or 2 bfd rows, 1.4x apart in steps either way).
+
 Per mode: useful (labelled) tokens per second of training wall time, the share of computed tokens
 that are padding (counted on the very batches the collator built), peak memory per rank (the run's
 own monitor, max over ranks), optimizer steps, and the held-out loss after the epoch. Prompt /
@@ -26,13 +34,14 @@ from hftk.bench.launch import BENCH_TRAIN_ARGS, DEFAULT_MODEL, run_workers, thre
 
 MODES = {"concat": ["--packing", "concat"], "bfd": ["--packing", "bfd"], "none": ["--packing", "none"],
          "pad-to-block": ["--packing", "none", "--pad_to_multiple_of", "{block_size}"]}
+PACKED = ("concat", "bfd")  # several examples per row: micro_batch rows; the others one example per row
 
 OPTION_HELP = {
     "nproc": "DDP processes of every run",
     "model": "model to train (hftk train --model_name_or_path)",
     "block_size": "tokens per block (bfd / concat) and the pad-to-block length",
-    "micro_batch": "rows per rank per step, in every mode",
-    "examples": "prompt / completion pairs the bench writes (10% held out)",
+    "micro_batch": "packed rows per rank per step (concat, bfd); the padded modes take that many bfd rows' examples",
+    "examples": "prompt / completion pairs the bench writes (a tenth held out)",
     "min_words": "shortest example, in corpus words",
     "max_words": "longest example, in corpus words (>= 10x min_words)",
     "learning_rate": "constant learning rate",
@@ -77,20 +86,25 @@ def run_data_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, bl
     dataset = out_dir / "examples.jsonl"
     data = write_examples(dataset, examples, min_words, max_words)
     threads = threads_per_rank(nproc)
+    # BENCH_TRAIN_ARGS logs every step: peak memory per window
     base = [*BENCH_TRAIN_ARGS, "--model_name_or_path", model, "--dataset", str(dataset), "--eval_fraction", "0.1",
-            "--block_size", str(block_size), "--per_device_train_batch_size", str(micro_batch),
-            "--per_device_eval_batch_size", str(micro_batch), "--num_train_epochs", "1",
-            "--learning_rate", str(learning_rate), "--model_dropout", "0"]  # logged every step: peak memory per window
+            "--block_size", str(block_size), "--per_device_eval_batch_size", str(micro_batch),
+            "--num_train_epochs", "1", "--learning_rate", str(learning_rate), "--model_dropout", "0"]
+    bfd = bfd_packing([*base, *MODES["bfd"], *(train_args or []), "--output_dir", str(out_dir / "bfd" / "run")])
+    padded_rows = max(1, round(micro_batch * bfd["examples_per_row"]))
     runs = {}
-    for mode, extra in MODES.items():
+    for mode, extra in MODES.items():  # rows per rank are the bench's own, after any train_args
         work = out_dir / mode
+        rows_per_rank = micro_batch if mode in PACKED else padded_rows
         argv = [*base, *[a.format(block_size=block_size) for a in extra], *(train_args or []),
-                "--output_dir", str(work / "run")]
+                "--per_device_train_batch_size", str(rows_per_rank), "--output_dir", str(work / "run")]
         launch = run_workers(nproc, {"mode": "trainer", "argv": argv}, work, timeout, threads)
-        runs[mode] = summarise(launch.ranks)
+        runs[mode] = {"rows_per_rank": rows_per_rank, **summarise(launch.ranks)}
+        runs[mode]["examples_per_step"] = bfd["train_examples"] / runs[mode]["steps"]
         runs[mode]["loadavg"] = [launch.loadavg_before[0], launch.loadavg_after[0]]
     result: dict[str, Any] = {
         "nproc": nproc, "model": model, "block_size": block_size, "micro_batch_per_rank": micro_batch,
+        "padded_rows_per_rank": padded_rows, "bfd_examples_per_row": bfd["examples_per_row"],
         "threads_per_rank": threads, "data": data, "modes": runs,
         "bfd_vs_pad_to_block": runs["bfd"]["useful_tokens_per_s"] / runs["pad-to-block"]["useful_tokens_per_s"],
         "bfd_eval_loss_vs_pad_to_block": runs["bfd"]["eval_loss"] / runs["pad-to-block"]["eval_loss"] - 1,
@@ -98,6 +112,19 @@ def run_data_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, bl
     result["table"] = table(result)
     result["charts"] = [chart(result, out_dir / "data.png")]
     return result
+
+
+def bfd_packing(argv: list[str]) -> dict[str, Any]:
+    """Training examples and examples per row of the bfd run ``argv``, packed here as the run packs
+    them (``hftk.data``: the same tokenisation, split seed and TRL best-fit decreasing)."""
+    from hftk.data import tokenize_sources
+    from hftk.modeling import load_tokenizer
+    from hftk.run import prepare
+
+    p = prepare(argv)
+    train = tokenize_sources(p.sources, load_tokenizer(p.cfg.model, p.cfg.data.chat_template), p.cfg.args.seed).train
+    examples = sum(len(lengths) for lengths in train["seq_lengths"])
+    return {"train_examples": examples, "examples_per_row": examples / len(train)}
 
 
 def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -112,15 +139,17 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> dict[str, Any]:
     rows = [[mode, f"{r['useful_tokens_per_s']:.0f}", f"{r['padding_share']:.1%}", f"{r['computed']}",
-             f"{r['steps']}", f"{r['train_s']:.1f}", f"{r['peak_mem_mb']:.0f}", f"{r['eval_loss']:.4f}"]
+             f"{r['rows_per_rank']}", f"{r['steps']}", f"{r['examples_per_step']:.1f}", f"{r['train_s']:.1f}",
+             f"{r['peak_mem_mb']:.0f}", f"{r['eval_loss']:.4f}"]
             for mode, r in result["modes"].items()]
     d = result["data"]
     return {"title": f"Packing modes, one epoch of {d['examples']} prompt/completion pairs ({d['words_min']}-"
-                     f"{d['words_max']} words), block {result['block_size']}, {result['micro_batch_per_rank']} rows "
-                     f"x {result['nproc']} ranks per step (DDP); bfd / pad-to-block useful tokens/s = "
-                     f"{result['bfd_vs_pad_to_block']:.2f}x; one launch per mode",
-            "columns": ["packing", "useful tokens/s", "padding share", "tokens computed", "steps", "train s",
-                        "peak MiB / rank", "held-out loss"], "rows": rows}
+                     f"{d['words_max']} words), block {result['block_size']}, {result['nproc']} DDP ranks, packed rows "
+                     f"x {result['bfd_examples_per_row']:.2f} examples (bfd) = padded rows per step; bfd / "
+                     f"pad-to-block useful tokens/s = {result['bfd_vs_pad_to_block']:.2f}x, held-out loss "
+                     f"{result['bfd_eval_loss_vs_pad_to_block']:+.1%}; one launch per mode",
+            "columns": ["packing", "useful tokens/s", "padding share", "tokens computed", "rows / rank", "steps",
+                        "examples / step", "train s", "peak MiB / rank", "held-out loss"], "rows": rows}
 
 
 def chart(result: dict[str, Any], path: Path) -> str:
