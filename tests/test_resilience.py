@@ -428,3 +428,20 @@ def test_sigusr1_is_a_preemption_signal_too():
     finally:
         preemption.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+# ------------------------------------------------------------------ a tokenisation longer than ddp_timeout
+
+
+def test_a_tokenisation_longer_than_ddp_timeout_does_not_time_out_the_waiting_rank(tmp_path):
+    """Rank 0 tokenises for 20 s (tests/workers/slow_tokenize.py) under ``--ddp_timeout 8``: rank 1 waits on the
+    launcher's store, not in a collective (in ``TrainingArguments.main_process_first``'s barrier it died after 8 s)."""
+    from tests.helpers import torchrun
+    from tests.workers.slow_tokenize import TIMEOUT_MARKER
+
+    result = torchrun(2, WORKERS / "slow_tokenize.py",
+                      [*TINY_ARGS, "--max_steps", "2", "--ddp_timeout", "8", "--output_dir", str(tmp_path / "run")],
+                      env={"HFTK_TOKENIZE_SLEEP_S": "20"}, timeout=400)
+    assert result.returncode == 0, result.output[-6000:]
+    assert result.stderr.count(f"{TIMEOUT_MARKER} 8.0 s") == 2, result.stderr[-3000:]  # the timeout was in force
+    assert sorted(losses(tmp_path / "run")) == [1, 2] and (tmp_path / "run" / "final" / "model.safetensors").is_file()
