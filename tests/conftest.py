@@ -16,6 +16,12 @@ if not torch.cuda.is_available():  # on a GPU host DeepSpeed picks CUDA itself, 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def pytest_report_header() -> str:
+    from tests.faults import FAULT_SEED
+
+    return f"hftk fault seed: {FAULT_SEED} (HFTK_FAULT_SEED={FAULT_SEED} replays the random kill steps)"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _builtin_models() -> None:
     """Materialise the tiny built-in models once, before ranks race for them."""
