@@ -16,10 +16,14 @@ if not torch.cuda.is_available():  # on a GPU host DeepSpeed picks CUDA itself, 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def pytest_report_header() -> str:
-    from tests.faults import FAULT_SEED
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The fault tests' kill steps and their seed, also under -q (which hides the header)."""
+    import sys
 
-    return f"hftk fault seed: {FAULT_SEED} (HFTK_FAULT_SEED={FAULT_SEED} replays the random kill steps)"
+    faults = sys.modules.get("tests.faults")
+    if faults is not None and faults.DRAWN:
+        terminalreporter.write_line(f"hftk fault seed {faults.FAULT_SEED}: {', '.join(faults.DRAWN)} "
+                                    f"(HFTK_FAULT_SEED={faults.FAULT_SEED} replays them)")
 
 
 @pytest.fixture(scope="session", autouse=True)
