@@ -24,7 +24,7 @@ class HftkError(Exception):
 
 
 EXIT_USAGE = 2  # argparse's code for bad usage; every HftkError exits with it
-_PRINTED_KEY = "hftk/input_error_printed"
+_PRINTED = "input_error_printed"  # the agent-store key (hftk.agent_store.run_key) rank 0 sets once it printed
 RANK_WAIT_S = 30.0  # how long a rank > 0 waits for rank 0's line before printing its own
 
 
@@ -33,54 +33,37 @@ def report(exc: HftkError) -> int:
 
     Under a launcher every rank runs the same validation and raises the same error. Rank 0 prints
     it and says so in the launcher's store (torchrun's agent hosts a TCPStore for its workers, no
-    process group needed); the other ranks wait for that before they exit silently with the same
-    code: a rank that exits first makes torchrun SIGTERM the rest, and rank 0 could die before its
-    line. A rank > 0 whose error rank 0 never reports (a problem only it sees) prints its own line
-    after :data:`RANK_WAIT_S`, so no error is ever lost.
+    process group needed: ``hftk.agent_store``); the other ranks wait for that before they exit silently
+    with the same code: a rank that exits first makes torchrun SIGTERM the rest, and rank 0 could die
+    before its line. A rank > 0 whose error rank 0 never reports (a problem only it sees) prints its own
+    line after :data:`RANK_WAIT_S`, so no error is ever lost.
     """
     import os
     import sys
+    from datetime import timedelta
+
+    from hftk import agent_store
 
     line = f"hftk: error: {exc.one_line()}"
     rank = int(os.environ.get("RANK", "0"))
-    store = _launcher_store()
+    store = agent_store.client(timedelta(seconds=RANK_WAIT_S))
     if rank == 0:
         print(line, file=sys.stderr, flush=True)
         if store is not None:
-            store.set(_key(), "1")
+            store.set(agent_store.run_key(_PRINTED), "1")
     elif not _wait_for_rank0(store):
         print(f"hftk: error (rank {rank}): {exc.one_line()}", file=sys.stderr, flush=True)
     return EXIT_USAGE
 
 
-def _key() -> str:
-    import os
-
-    return f"{_PRINTED_KEY}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
-def _launcher_store() -> object | None:
-    """A client of the store torch elastic's agent hosts (None outside such a launch, or when unreachable)."""
-    import os
-    from datetime import timedelta
-
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        return None
-    try:
-        from torch.distributed import TCPStore
-
-        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                        timeout=timedelta(seconds=RANK_WAIT_S))
-    except (KeyError, ValueError, RuntimeError):
-        return None
-
-
 def _wait_for_rank0(store: object | None) -> bool:
     """True once rank 0 has printed the line (False: no store, or it did not within RANK_WAIT_S)."""
+    from hftk import agent_store
+
     if store is None:
         return False
     try:
-        store.wait([_key()])  # the store's own timeout bounds the wait
+        store.wait([agent_store.run_key(_PRINTED)])  # the store's own timeout bounds the wait
     except RuntimeError:  # torch raises DistStoreError (a RuntimeError) on timeout
         return False
     return True

@@ -14,10 +14,15 @@ gradient, summed over the micro-batches of the step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import re
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,7 +233,8 @@ class RankMonitor:
         if self.profile_every > 0 and (step == 3 or step % self.profile_every == 0):
             self._sync()
             self._profiler = torch.profiler.profile(activities=_activities(self.device))
-            self._profiler.__enter__()
+            with kineto_markers_dropped():
+                self._profiler.__enter__()
         self._begin = (time.perf_counter(), time.process_time())
         if self._last_end is None:
             self._last_end = self._begin
@@ -244,7 +250,8 @@ class RankMonitor:
         if self._profiler is not None:
             self._sync()
             self._profiled = (self._profiler, time.perf_counter() - self._begin[0])
-            self._profiler.__exit__(None, None, None)
+            with kineto_markers_dropped():
+                self._profiler.__exit__(None, None, None)
             self._profiler = None
             now = (time.perf_counter(), time.process_time())  # stopping the profiler is not the next step's work
         self._last_end = now
@@ -414,3 +421,33 @@ class RankMonitorCallback(TrainerCallback):
         summary = self.monitor.collect(model, optimizer)
         if summary is not None:
             logs.update(summary.publish(state.global_step, self.metrics_path))
+
+
+# libkineto's marker line at every trace start and stop ("USDT:<date> <time> <pid>:<tid> <file>:<line>] profiler_start")
+KINETO_MARKER = re.compile(r"USDT:[^\n]*\] profiler_(start|stop)\n?\Z")
+
+
+@contextlib.contextmanager
+def kineto_markers_dropped() -> Iterator[None]:
+    """Start or stop a torch.profiler trace without libkineto's ``USDT: ... profiler_start`` /
+    ``profiler_stop`` lines on the user's screen.
+
+    libkineto writes them to the C++ stderr at every start and stop; their severity ranks above
+    ERROR, so ``KINETO_LOG_LEVEL`` cannot drop them without dropping kineto's errors too. So the
+    process's stderr goes to a file for the call, and every line but those two is written back."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            lines = capture.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not KINETO_MARKER.match(line))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()

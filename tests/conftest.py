@@ -16,6 +16,16 @@ if not torch.cuda.is_available():  # on a GPU host DeepSpeed picks CUDA itself, 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The fault tests' kill steps and their seed, also under -q (which hides the header)."""
+    import sys
+
+    faults = sys.modules.get("tests.faults")
+    if faults is not None and faults.DRAWN:
+        terminalreporter.write_line(f"hftk fault seed {faults.FAULT_SEED}: {', '.join(faults.DRAWN)} "
+                                    f"(HFTK_FAULT_SEED={faults.FAULT_SEED} replays them)")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _builtin_models() -> None:
     """Materialise the tiny built-in models once, before ranks race for them."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -29,6 +30,10 @@ REPO = "hftk-test/tiny-ddp"
 STEPS = 30
 SAVE_STEPS = 5
 # 200 raw rows make 11 optimizer steps per epoch at global batch 8: 30 steps cross two epoch boundaries.
+# Every random kill step is drawn from this seed (printed at the end of pytest's output and in each fault's
+# failure message); HFTK_FAULT_SEED=<seed> replays the same steps.
+FAULT_SEED = int(os.environ.get("HFTK_FAULT_SEED") or random.SystemRandom().randrange(2**32))
+DRAWN: list[str] = []  # "<fault> at step N", for the session's summary (tests/conftest.py)
 RUN_ARGS = [*TINY_ARGS, "--max_train_samples", "200", "--max_steps", str(STEPS), "--per_device_train_batch_size", "4",
             "--save_strategy", "steps", "--save_steps", str(SAVE_STEPS), "--save_total_limit", "0"]
 
@@ -120,6 +125,18 @@ def logged_steps(output_dir: Path) -> list[int]:
         if "loss" in record:
             steps.append(record["step"])
     return steps
+
+
+def fault_step(name: str, low: int, high: int) -> tuple[int, str]:
+    """The step in [low, high] at which fault ``name`` strikes, and the line that replays it. Each fault
+    draws from its own generator (seeded by :data:`FAULT_SEED` and ``name``), so one test run alone
+    (``-k``) gets the same step as in the full suite. The step is the one asked for; the kill lands at
+    the first step logged from then on (timing decides which)."""
+    step = random.Random(f"{FAULT_SEED}/{name}").randint(low, high)
+    replay = f"{name} at step {step} (replay: HFTK_FAULT_SEED={FAULT_SEED})"
+    DRAWN.append(f"{name} at step {step}")
+    print(f"hftk-test: fault {replay}", flush=True)
+    return step, replay
 
 
 def wait_for_step(run: Running, step: int, timeout: float) -> int:

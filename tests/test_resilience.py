@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import sys
@@ -20,8 +19,8 @@ import torch
 
 from hftk.checkpoint import COMPLETE_MARKER, STAGING_DIR, is_complete, list_checkpoints
 from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED
-from tests.faults import (RUN_ARGS, SAVE_STEPS, STEPS, reference_run, side_by_side, start, wait_for_step,
-                          worker_pid)
+from tests.faults import (RUN_ARGS, SAVE_STEPS, STEPS, fault_step, reference_run, side_by_side, start,
+                          wait_for_step, worker_pid)
 from tests.helpers import ROOT, TINY_ARGS, Launch, free_port, load_weights, losses, max_weight_diff, metrics
 
 pytestmark = pytest.mark.slow
@@ -44,58 +43,58 @@ def steps_of(checkpoints) -> list[int]:
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
-    """Rank 1 SIGKILLed at a random step; torchrun --max-restarts 2 brings the group back."""
+    """Rank 1 SIGKILLed at a step drawn from the fault seed; torchrun --max-restarts 2 brings the group back."""
     out = tmp_path_factory.mktemp("sigkill") / "run"
-    kill_at = random.randint(7, 23)
+    kill_at, replay = fault_step("sigkill", 7, 23)
     run = start(2, [*RUN_ARGS, "--save_total_limit", "3"], out, max_restarts=2)
     seen = wait_for_step(run, kill_at, timeout=300)
     os.kill(worker_pid(run, rank=1), signal.SIGKILL)
-    return out, run.finish(timeout=500), seen
+    return out, run.finish(timeout=500), seen, replay
 
 
 def test_sigkill_of_a_rank_restarts_and_resumes_from_newest_checkpoint(killed):
-    out, result, seen = killed
-    assert result.returncode == 0, result.output[-6000:]
+    out, result, seen, replay = killed
+    assert result.returncode == 0, f"{replay}\n{result.output[-6000:]}"
     resumed = re.findall(r"hftk: resuming from (\S+) \(elastic restart 1\)", result.stderr)
-    assert resumed, f"no elastic resume after a kill near step {seen}:\n{result.output[-4000:]}"
+    assert resumed, f"no elastic resume after a kill near step {seen}, {replay}:\n{result.output[-4000:]}"
     step = int(resumed[0].rsplit("-", 1)[1])
-    assert 5 <= step <= seen + 1 and step % 5 == 0, (step, seen)
+    assert 5 <= step <= seen + 1 and step % 5 == 0, (step, seen, replay)
 
 
 def test_restarted_run_ends_with_the_uninterrupted_weights(killed, reference):
-    out, _, seen = killed
+    out, _, seen, replay = killed
     diff = max_weight_diff(load_weights(reference / "final"), load_weights(out / "final"))
-    assert diff <= TOLERANCE, f"killed near step {seen}: max weight difference {diff}"
+    assert diff <= TOLERANCE, f"killed near step {seen}, {replay}: max weight difference {diff}"
 
 
 def test_rotation_keeps_the_newest_complete_checkpoints(killed):
-    out, _, _ = killed
+    out = killed[0]
     assert steps_of(list_checkpoints(out)) == [20, 25, 30]  # save_total_limit 3
     assert not (out / STAGING_DIR).exists()  # nothing half-written left behind
 
 
 @pytest.fixture(scope="module")
 def zero3_killed(tmp_path_factory):
-    """ZeRO-3 (DeepSpeed shards in every checkpoint): an uninterrupted run, then rank 0 SIGKILLed at a random step."""
+    """ZeRO-3 (DeepSpeed shards in every checkpoint): an uninterrupted run, then rank 0 SIGKILLed at a step drawn from the fault seed."""
     root = tmp_path_factory.mktemp("zero3")
     args = [*RUN_ARGS, "--strategy", "zero3", "--max_steps", str(ZERO3_STEPS)]
     reference = start(2, args, root / "reference").finish(timeout=600)
     assert reference.returncode == 0, reference.output[-6000:]
-    kill_at = random.randint(7, ZERO3_STEPS - 6)
+    kill_at, replay = fault_step("zero3_sigkill", 7, ZERO3_STEPS - 6)
     run = start(2, args, root / "killed", max_restarts=2)
     seen = wait_for_step(run, kill_at, timeout=400)
     os.kill(worker_pid(run, rank=0), signal.SIGKILL)  # the rank that publishes checkpoints
-    return root, run.finish(timeout=600), seen
+    return root, run.finish(timeout=600), seen, replay
 
 
 def test_zero3_run_with_a_killed_rank_ends_with_the_uninterrupted_weights(zero3_killed):
-    root, result, seen = zero3_killed
-    assert result.returncode == 0, result.output[-6000:]
+    root, result, seen, replay = zero3_killed
+    assert result.returncode == 0, f"{replay}\n{result.output[-6000:]}"
     resumed = re.findall(r"hftk: resuming from \S+/checkpoint-(\d+) \(elastic restart 1\)", result.stderr)
-    assert resumed and int(resumed[0]) % SAVE_STEPS == 0 and int(resumed[0]) <= seen + 1, (resumed, seen)
+    assert resumed and int(resumed[0]) % SAVE_STEPS == 0 and int(resumed[0]) <= seen + 1, (resumed, seen, replay)
     assert any((root / "killed" / f"checkpoint-{resumed[0]}").glob("global_step*"))  # ZeRO shards were resumed
     diff = max_weight_diff(load_weights(root / "reference" / "final"), load_weights(root / "killed" / "final"))
-    assert diff <= TOLERANCE, f"killed near step {seen}: max weight difference {diff}"
+    assert diff <= TOLERANCE, f"killed near step {seen}, {replay}: max weight difference {diff}"
 
 
 def test_hftk_push_consolidates_a_zero3_checkpoint_of_shards_only(zero3_killed, tmp_path, monkeypatch):
@@ -108,7 +107,7 @@ def test_hftk_push_consolidates_a_zero3_checkpoint_of_shards_only(zero3_killed, 
     from hftk.hub import push_command
     from tests.faults import TOKEN, hub_server
 
-    root, _, _ = zero3_killed
+    root = zero3_killed[0]
     hub = hub_server()
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.base_url)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
@@ -133,37 +132,37 @@ def preempted(tmp_path_factory):
     """SIGTERM to rank 1 only (no regular saves); then a plain resume from `latest`."""
     out = tmp_path_factory.mktemp("sigterm") / "run"
     args = [*RUN_ARGS, "--save_steps", "1000"]
-    at = random.randint(6, 22)
+    at, replay = fault_step("sigterm", 6, 22)
     run = start(2, args, out)
     seen = wait_for_step(run, at, timeout=300)
     os.kill(worker_pid(run, rank=1), signal.SIGTERM)
     stopped = run.finish(timeout=300)
     emergency = list_checkpoints(out)
     resumed = start(2, [*args, "--resume_from_checkpoint", "latest"], out).finish(timeout=300)
-    return out, stopped, emergency, resumed, seen
+    return out, stopped, emergency, resumed, seen, replay
 
 
 def test_sigterm_saves_an_emergency_checkpoint_on_every_rank_and_exits_75(preempted):
-    out, stopped, emergency, _, seen = preempted
-    assert stopped.returncode != 0
+    out, stopped, emergency, _, seen, replay = preempted
+    assert stopped.returncode != 0, replay
     # torchrun reports the first rank to exit with its own code (then it stops the others)
     assert re.search(rf"exitcode\s*:\s*{EXIT_PREEMPTED}\b", stopped.stderr), stopped.stderr[-4000:]
     assert len(emergency) == 1 and is_complete(emergency[0])
     step = steps_of(emergency)[0]
-    assert seen <= step <= seen + 3, (seen, step)
+    assert seen <= step <= seen + 3, (seen, step, replay)
     # rank 0 got no signal: it learnt of it through the per-step all-reduce, saved its part and stopped
     assert f"hftk: stopped at step {step}: preempted (a signal on another rank)" in stopped.stderr
     assert (emergency[0] / "rng_state_0.pth").exists() and (emergency[0] / "rng_state_1.pth").exists()
 
 
 def test_resume_from_the_emergency_checkpoint_reproduces_the_losses(preempted, reference):
-    out, _, emergency, resumed, _ = preempted
-    assert resumed.returncode == 0, resumed.output[-6000:]
+    out, _, emergency, resumed, _, replay = preempted
+    assert resumed.returncode == 0, f"{replay}\n{resumed.output[-6000:]}"
     step = steps_of(emergency)[0]
     ref, got = losses(reference), losses(out)
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
-        assert got[s] == pytest.approx(ref[s], abs=TOLERANCE), (s, step)
+        assert got[s] == pytest.approx(ref[s], abs=TOLERANCE), (s, step, replay)
     assert max_weight_diff(load_weights(reference / "final"), load_weights(out / "final")) <= TOLERANCE
 
 
@@ -428,3 +427,20 @@ def test_sigusr1_is_a_preemption_signal_too():
     finally:
         preemption.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+# ------------------------------------------------------------------ a tokenisation longer than ddp_timeout
+
+
+def test_a_tokenisation_longer_than_ddp_timeout_does_not_time_out_the_waiting_rank(tmp_path):
+    """Rank 0 tokenises for 20 s (tests/workers/slow_tokenize.py) under ``--ddp_timeout 8``: rank 1 waits on the
+    launcher's store, not in a collective (in ``TrainingArguments.main_process_first``'s barrier it died after 8 s)."""
+    from tests.helpers import torchrun
+    from tests.workers.slow_tokenize import TIMEOUT_MARKER
+
+    result = torchrun(2, WORKERS / "slow_tokenize.py",
+                      [*TINY_ARGS, "--max_steps", "2", "--ddp_timeout", "8", "--output_dir", str(tmp_path / "run")],
+                      env={"HFTK_TOKENIZE_SLEEP_S": "20"}, timeout=400)
+    assert result.returncode == 0, result.output[-6000:]
+    assert result.stderr.count(f"{TIMEOUT_MARKER} 8.0 s") == 2, result.stderr[-3000:]  # the timeout was in force
+    assert sorted(losses(tmp_path / "run")) == [1, 2] and (tmp_path / "run" / "final" / "model.safetensors").is_file()

@@ -104,7 +104,7 @@ def run(prepared: PreparedRun) -> dict[str, float]:
     set_seed(args.seed)
     topo = pipeline.topology(cfg.strategy.pp_size, args.device)
 
-    tokenizer, data = load_data(prepared, args)
+    tokenizer, data = load_data(prepared, args.seed)
     announce_eval(cfg.data, data.eval, args.per_device_eval_batch_size, topo.dp_size, args.process_index == 0)
     model = lora.apply(load_model(cfg.model), cfg, args)
     _enable_activation_checkpointing(model, args)

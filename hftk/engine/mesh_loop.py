@@ -17,7 +17,6 @@ token-loss sum divided by the global token count, and the gradient reductions su
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -321,16 +320,6 @@ class Reporter:
 # ---------------------------------------------------------------- the run
 
 
-@contextlib.contextmanager
-def main_process_first(desc: str = "") -> Any:
-    """Rank 0 runs the body first (tokenising into the datasets cache); the others then read its cache."""
-    if dist.get_rank() != 0:
-        dist.barrier()
-    yield
-    if dist.get_rank() == 0:
-        dist.barrier()
-
-
 @torch.no_grad()
 def own_storage(model: torch.nn.Module) -> None:
     """Give every unsharded parameter and buffer memory of its own.
@@ -382,7 +371,7 @@ def run(prepared: PreparedRun) -> dict[str, float]:
     args = loop_args(cfg)
     seed = args.seed
     set_seed(seed)
-    tokenizer, data = load_data(prepared, SimpleNamespace(seed=seed, main_process_first=main_process_first))
+    tokenizer, data = load_data(prepared, seed)
     collate = collator(cfg.data, tokenizer.pad_token_id, fixed_length=cfg.data.block_size)
     model = load_model(cfg.model).to(device)
     if t.get("gradient_checkpointing") or t.get("activation_checkpointing"):

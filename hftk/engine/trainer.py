@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hftk import lora, strategies
+from hftk.agent_store import node_first
 from hftk.checkpoint import announce_resume, install_atomic_checkpoints, resolve_resume, staged_folder
 from hftk.comm.callback import CompressionCallback
 from hftk.comm.register import is_active as comm_active
@@ -51,7 +52,20 @@ def build_training_arguments(prepared: PreparedRun, extra: dict[str, Any]) -> An
         kwargs["eval_strategy"] = "no"
     kwargs["push_to_hub"] = False  # hftk.hub pushes (card, retries, background); the Trainer would push twice
     configure_wandb(cfg, kwargs.get("report_to"))
+    if kwargs["use_cpu"] and not kwargs.get("deepspeed"):  # DeepSpeed starts its own (strategies/deepspeed.py)
+        _start_cpu_state(kwargs.get("ddp_backend"), int(cfg.args.ddp_timeout))
     return TrainingArguments(**kwargs)
+
+
+def _start_cpu_state(backend: str | None, timeout_s: int) -> None:
+    """Start accelerate's shared state (the process group) with ``ddp_timeout``: transformers 5.24 hands
+    the timeout to accelerate only on accelerators, so a CPU group got gloo's 30 minutes whatever the
+    option said. ``TrainingArguments`` then finds the state started and reuses it as it is."""
+    from datetime import timedelta
+
+    from accelerate import PartialState
+
+    PartialState(cpu=True, backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
 def _checkpointing_kwargs_field() -> str:
@@ -110,14 +124,16 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
     return callbacks
 
 
-def load_data(prepared: PreparedRun, args: Any) -> tuple[Any, Any]:
-    """Tokenizer and tokenised blocks (rank 0 first, the others read its cache); shared with hftk.engine.loop."""
+def load_data(prepared: PreparedRun, seed: int) -> tuple[Any, Any]:
+    """Tokenizer and tokenised blocks, shared by every engine: each node's rank 0 tokenises first, the
+    others wait on the launcher's store (no collective: a long tokenisation never meets ``ddp_timeout``),
+    then read its datasets cache."""
     cfg = prepared.cfg
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)  # saved with it: checkpoints and final/
     if prepared.tokenized is not None:  # hftk preprocess made the blocks; every rank read them in prepare
         return tokenizer, prepared.tokenized
-    with args.main_process_first(desc="tokenize"):
-        data = tokenize_sources(prepared.sources, tokenizer, args.seed)
+    with node_first("tokenize"):
+        data = tokenize_sources(prepared.sources, tokenizer, seed)
     if prepared.has_eval and data.eval is None:
         raise HftkError("data.eval_fraction", f"the held-out text is shorter than one block of {cfg.data.block_size}.",
                         "raise data.eval_fraction, lower data.block_size, or set data.eval_fraction to 0.")
@@ -136,7 +152,7 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     args = build_training_arguments(prepared, strategy.training_arguments(cfg, prepared.model_config))
     check_world(args.world_size)
 
-    tokenizer, data = load_data(prepared, args)
+    tokenizer, data = load_data(prepared, args.seed)
     announce_eval(cfg.data, data.eval, args.per_device_eval_batch_size, args.world_size, args.process_index == 0)
     base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
     model = strategy.prepare_model(lora.apply(base, cfg, args), cfg)  # LoRA before any sharding
