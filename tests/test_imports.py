@@ -103,7 +103,7 @@ def test_strategies_never_import_the_engine():
 
 
 def test_the_tables_everything_reads_are_leaves():
-    """The model-family table, the plan types and the error type import nothing above them."""
+    """The model-family table, the plan types, the agent store and the error type import nothing above them."""
     graph = import_graph()
-    assert graph["hftk.families"] == set() and graph["hftk.errors"] == set() and graph["hftk.activations"] == set()
-    assert graph["hftk.plan_types"] == {"hftk.activations"}
+    assert graph["hftk.families"] == graph["hftk.agent_store"] == graph["hftk.activations"] == set()
+    assert graph["hftk.errors"] == {"hftk.agent_store"} and graph["hftk.plan_types"] == {"hftk.activations"}
