@@ -241,8 +241,9 @@ def discard_staging(output_dir: Path) -> list[Path]:
     return leftovers
 
 
-def announce_resume(output_dir: Path, resume: str | None, publisher: bool) -> None:
-    """Before training (publisher only): drop what saves cut short by a kill left, say where training starts."""
+def announce_resume(output_dir: Path, resume: str | None, publisher: bool, world_size: int | None = None) -> None:
+    """Before training (publisher only): drop what saves cut short by a kill left, say where training starts
+    (and, given this launch's ``world_size``, what a resume at another world size does not carry over)."""
     if not publisher:
         return
     for leftover in discard_staging(output_dir):
@@ -250,8 +251,8 @@ def announce_resume(output_dir: Path, resume: str | None, publisher: bool) -> No
     if resume:
         why = f" (elastic restart {restart_count()})" if restart_count() else ""
         saved = saved_world(Path(resume))[0]
-        if saved is not None and saved != _world():  # validate let it through: same global batch, resharded state
-            why += (f" (saved by {saved} ranks, resumed on {_world()} with the same global batch: weights, optimizer, "
+        if world_size and saved not in (None, world_size):  # validate let it through: same global batch, resharded
+            why += (f" (saved by {saved} ranks, resumed on {world_size} with the same global batch: weights, optimizer, "
                     "scheduler and data position continue exactly; per-rank random generators, e.g. dropout's, do not)")
         print(f"hftk: resuming from {resume}{why}", file=sys.stderr, flush=True)
 

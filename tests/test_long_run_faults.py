@@ -177,3 +177,18 @@ def test_fsdp_saved_on_four_ranks_resumes_exactly_on_two_with_the_global_batch_k
     for step in range(6, 11):
         assert abs(after[step] - reference[step]) <= 1e-5, (step, reference[step], after[step])
     assert max_weight_diff(load_weights(four / "final"), load_weights(two / "final")) <= 1e-5
+
+
+def test_the_world_size_check_runs_before_any_process_group(tmp_path, monkeypatch):
+    """``latest`` resolved and checked in ``prepare``: the refusal comes before the launch does anything."""
+    import torch.distributed as dist
+
+    from hftk.run import prepare
+
+    sealed_by(tmp_path / "run" / "checkpoint-5", world=2, global_batch=4)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(HftkError, match=r"was saved by 2 ranks; this launch has 1, and the global batch would be 2"):
+        prepare([*TINY_ARGS, "--per_device_train_batch_size", "2", "--output_dir", str(tmp_path / "run"),
+                 "--resume_from_checkpoint", "latest"])
+    assert not dist.is_initialized()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-5"]
