@@ -338,8 +338,8 @@ def staged_folder(final: Path, publisher: bool, step: int | None = None) -> Iter
     _barrier()
     try:
         yield staged
-    except Exception as exc:  # settled below, collectively: no rank may be left waiting in a barrier
-        settle_write(final, staged, exc, publisher)
+    except BaseException as exc:  # settled below, collectively: no rank may be left waiting in a barrier
+        settle_write(final, staged, _write_error(exc), publisher)
     settle_write(final, staged, None, publisher)  # every rank's files are written
     if publisher:
         publish(staged, final, step)
@@ -349,7 +349,17 @@ def staged_folder(final: Path, publisher: bool, step: int | None = None) -> Iter
 SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file size limit
 
 
-def settle_write(final: Path, staged: Path, error: Exception | None, publisher: bool) -> None:
+def _write_error(exc: BaseException) -> BaseException:
+    """``exc`` when it is a failed write to settle; an interpreter stop passes straight through.
+
+    Not just ``Exception``: DCP gathers every rank's write failure into a ``CheckpointException``,
+    which derives from ``BaseException``."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        raise exc
+    return exc
+
+
+def settle_write(final: Path, staged: Path, error: BaseException | None, publisher: bool) -> None:
     """Collective, once every rank has written (or failed to write) its part of ``staged``.
 
     One ``all_gather_object`` of each rank's failure (None when it wrote everything). When any rank
@@ -471,8 +481,8 @@ def install_atomic_checkpoints(trainer: Any, after_publish: Callable[[Path], Non
         try:
             try:
                 save_checkpoint(model, trial)
-            except Exception as exc:  # settled collectively: no rank may be left waiting in a barrier
-                settle_write(output_dir / staged.name, staged, exc, trainer.args.should_save)
+            except BaseException as exc:  # settled collectively: no rank may be left waiting in a barrier
+                settle_write(output_dir / staged.name, staged, _write_error(exc), trainer.args.should_save)
             settle_write(output_dir / staged.name, staged, None, trainer.args.should_save)
         except BaseException:
             trainer.args.output_dir = str(output_dir)

@@ -28,6 +28,7 @@ FULL_BYTES = 300_000  # the tiny model's weights (~1 MB) and optimizer state no 
 DISK_ARGS = ["--max_train_samples", "200", "--max_steps", "10", "--per_device_train_batch_size", "2",
              "--save_strategy", "steps", "--save_steps", "5", "--save_total_limit", "0"]
 PIPELINE = ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2"]
+TP = ["--strategy", "tp", "--tp_size", "2", "--model_name_or_path", "builtin:llama-tiny"]  # DCP shards
 
 
 def assert_stopped_by_a_full_disk(result, out) -> None:
@@ -47,10 +48,10 @@ def assert_stopped_by_a_full_disk(result, out) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["trainer", "loop"])
+@pytest.mark.parametrize("engine", ["trainer", "loop", "mesh_loop"])
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_stops_with_one_line(engine, tmp_path):
     out = tmp_path / "run"
-    extra = PIPELINE if engine == "loop" else []
+    extra = {"trainer": [], "loop": PIPELINE, "mesh_loop": TP}[engine]
     full = torchrun(2, WORKERS / "fill_disk.py", [*TINY_ARGS, *DISK_ARGS, *extra, "--output_dir", str(out)],
                     timeout=400, env={"HFTK_FULL_AFTER_STEP": "5", "HFTK_FULL_BYTES": str(FULL_BYTES)})
     assert_stopped_by_a_full_disk(full, out)
@@ -65,7 +66,18 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_stops_with_
     assert [c.name for c in list_checkpoints(out)] == ["checkpoint-5", "checkpoint-10"]
 
 
-def test_a_write_refused_by_the_file_size_limit_is_named_even_when_torch_hides_the_errno(tmp_path):
+def torch_save(folder):
+    torch.save(torch.zeros(50_000), folder / "optimizer.pt")
+
+
+def dcp_save(folder):  # DCP gathers the failure into a CheckpointException, a BaseException
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"optimizer": torch.zeros(50_000)}, checkpoint_id=str(folder / "dcp"), no_dist=True)
+
+
+@pytest.mark.parametrize("write", [torch_save, dcp_save])
+def test_a_write_refused_by_the_file_size_limit_is_named_even_when_torch_hides_the_errno(write, tmp_path):
     """torch's zip writer reports a refused write as "unexpected pos", without the errno: the limit is read."""
     previous = tmp_path / "checkpoint-1"
     previous.mkdir()
@@ -76,7 +88,7 @@ def test_a_write_refused_by_the_file_size_limit_is_named_even_when_torch_hides_t
     resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, limits[1]))
     try:
         with pytest.raises(HftkError) as caught, staged_folder(tmp_path / "checkpoint-2", publisher=True) as folder:
-            torch.save(torch.zeros(50_000), folder / "optimizer.pt")
+            write(folder)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         signal.signal(signal.SIGXFSZ, handler)
