@@ -232,16 +232,17 @@ def check_world_change(cfg: RunConfig, folder: Path, world_size: int) -> None:
                         f"resume with {saved} ranks{own}.")
     args = cfg.args
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
-    if global_batch is None or batch != global_batch:
+    if global_batch is None:
+        raise HftkError(field, f"{where}, and its seal records no global batch to continue the data position from.",
+                        f"resume with {saved} ranks.")
+    if batch != global_batch:
         micro = args.per_device_train_batch_size * world_size
-        keep = (f"keep its global batch of {global_batch}: --gradient_accumulation_steps {global_batch // micro}"
-                f" with --per_device_train_batch_size {args.per_device_train_batch_size}"
-                if global_batch and global_batch % micro == 0 else
-                f"keep its global batch of {global_batch} (per_device_train_batch_size x "
-                f"gradient_accumulation_steps x {world_size} ranks)" if global_batch else
-                f"resume with {saved} ranks (its seal records no global batch)")
+        keep = (f"--gradient_accumulation_steps {global_batch // micro} with --per_device_train_batch_size "
+                f"{args.per_device_train_batch_size}" if global_batch % micro == 0 else
+                f"per_device_train_batch_size x gradient_accumulation_steps x {world_size} ranks = {global_batch}")
         raise HftkError(field, f"{where}, and the global batch would be {batch} instead of {global_batch}: "
-                        "the data position would not continue where it stopped.", f"{keep}.")
+                        "the data position would not continue where it stopped.",
+                        f"keep its global batch of {global_batch}: {keep}.")
 
 
 def _check_writable(output_dir: Path) -> None:

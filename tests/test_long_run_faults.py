@@ -163,6 +163,14 @@ def test_a_resume_at_another_world_size_that_would_not_be_exact_is_refused_in_on
     assert needle in line, line
 
 
+def test_a_resharding_resume_from_a_seal_without_a_global_batch_is_refused(tmp_path):
+    folder = sealed_by(tmp_path / "run" / "checkpoint-5", world=2, global_batch=None)
+    cfg = load_config([*TINY_ARGS, "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "run")])
+    with pytest.raises(HftkError, match="its seal records no global batch to continue the data position from. "
+                                        "Fix: resume with 2 ranks."):
+        check_world_change(cfg, folder, world_size=1)
+
+
 def test_a_resume_at_another_world_size_with_the_global_batch_kept_passes(tmp_path):
     folder = sealed_by(tmp_path / "run" / "checkpoint-5", world=2, global_batch=4)
     for strategy in ("ddp", "fsdp"):
