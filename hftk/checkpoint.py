@@ -16,10 +16,12 @@ whole (``final``) is written through :func:`staged_folder`.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import re
+import resource
 import shutil
 import sys
 import time
@@ -168,8 +170,11 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def seal(folder: Path, step: int | None) -> None:
-    """fsync every file and folder under ``folder``, then write the completion marker last."""
+def seal(folder: Path, step: int | None, global_batch: int | None = None) -> None:
+    """fsync every file and folder under ``folder``, then write the completion marker last.
+
+    The marker also records the world size that wrote the folder and, from the Trainer, the global
+    batch (samples per optimizer step): a resume at another world size is checked against them."""
     from hftk import __version__
 
     folder = Path(folder)
@@ -182,7 +187,7 @@ def seal(folder: Path, step: int | None) -> None:
             files[path.relative_to(folder).as_posix()] = path.stat().st_size
         _fsync(Path(root))
     marker = {"step": step, "files": files, "hftk_version": __version__, "sealed_at": time.time(),
-              "elastic_run_id": elastic_run_id()}
+              "elastic_run_id": elastic_run_id(), "world_size": _world(), "global_batch": global_batch}
     tmp = folder / f"{COMPLETE_MARKER}.tmp"
     with open(tmp, "w") as f:
         json.dump(marker, f, indent=1, sort_keys=True)
@@ -199,11 +204,11 @@ def retire(folder: Path) -> None:
     shutil.rmtree(folder)
 
 
-def publish(staged: Path, final: Path, step: int | None) -> None:
+def publish(staged: Path, final: Path, step: int | None, global_batch: int | None = None) -> None:
     """Seal ``staged`` and rename it to ``final`` (an older folder of that name is retired first)."""
     if not staged.exists() and is_complete(final):
         return  # another node's publisher already renamed this shared folder
-    seal(staged, step)
+    seal(staged, step, global_batch)
     if final.exists():
         retire(final)
     os.rename(staged, final)
@@ -236,14 +241,19 @@ def discard_staging(output_dir: Path) -> list[Path]:
     return leftovers
 
 
-def announce_resume(output_dir: Path, resume: str | None, publisher: bool) -> None:
-    """Before training (publisher only): drop what saves cut short by a kill left, say where training starts."""
+def announce_resume(output_dir: Path, resume: str | None, publisher: bool, world_size: int | None = None) -> None:
+    """Before training (publisher only): drop what saves cut short by a kill left, say where training starts
+    (and, given this launch's ``world_size``, what a resume at another world size does not carry over)."""
     if not publisher:
         return
     for leftover in discard_staging(output_dir):
         print(f"hftk: discarded incomplete save {leftover}", file=sys.stderr, flush=True)
     if resume:
         why = f" (elastic restart {restart_count()})" if restart_count() else ""
+        saved = saved_world(Path(resume))[0]
+        if world_size and saved not in (None, world_size):  # validate let it through: same global batch, resharded
+            why += (f" (saved by {saved} ranks, resumed on {world_size} with the same global batch: weights, optimizer, "
+                    "scheduler and data position continue exactly; per-rank random generators, e.g. dropout's, do not)")
         print(f"hftk: resuming from {resume}{why}", file=sys.stderr, flush=True)
 
 
@@ -251,6 +261,28 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def saved_world(folder: Path) -> tuple[int | None, int | None]:
+    """(world size, global batch) that wrote checkpoint ``folder``, None where unknown.
+
+    From the seal; a checkpoint sealed before it recorded them tells its world size by its RNG
+    files (one ``rng_state_<rank>.pth`` per rank, the Trainer's ``rng_state.pth`` on one process)."""
+    try:
+        marker = json.loads((Path(folder) / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        marker = {}
+    world = marker.get("world_size")
+    if world is None:
+        ranks = len(list(Path(folder).glob(RNG_FILE.format("*"))))
+        world = ranks or (1 if (Path(folder) / "rng_state.pth").is_file() else None)
+    return world, marker.get("global_batch")
 
 
 def _barrier() -> None:
@@ -304,11 +336,112 @@ def staged_folder(final: Path, publisher: bool, step: int | None = None) -> Iter
             shutil.rmtree(staged)
         staged.mkdir(parents=True)
     _barrier()
-    yield staged
-    _barrier()  # every rank's files are written
+    try:
+        yield staged
+    except BaseException as exc:  # settled below, collectively: no rank may be left waiting in a barrier
+        settle_write(final, staged, _write_error(exc), publisher)
+    settle_write(final, staged, None, publisher)  # every rank's files are written
     if publisher:
         publish(staged, final, step)
     _barrier()  # nobody moves on before the folder is in place
+
+
+SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file size limit
+
+
+def _write_error(exc: BaseException) -> BaseException:
+    """``exc`` when it is a failed write to settle; an interpreter stop passes straight through.
+
+    Not just ``Exception``: DCP gathers every rank's write failure into a ``CheckpointException``,
+    which derives from ``BaseException``."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        raise exc
+    return exc
+
+
+def settle_write(final: Path, staged: Path, error: BaseException | None, publisher: bool) -> None:
+    """Collective, once every rank has written (or failed to write) its part of ``staged``.
+
+    One ``all_gather_object`` of each rank's failure (None when it wrote everything). When any rank
+    failed, the staged folder is removed (the previous checkpoints and ``latest`` stay as they were)
+    and every rank raises: the one-line :class:`HftkError` when a write ran out of room (disk full,
+    quota, ``RLIMIT_FSIZE``), naming the folder and the bytes it needs; otherwise the error itself.
+    """
+    import torch.distributed as dist
+
+    from hftk.errors import HftkError
+
+    mine = None if error is None else (_out_of_room(final, staged, error), f"{type(error).__name__}: {error}")
+    reports = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, mine)
+    failures = [r for r in reports if r is not None]
+    if not failures:
+        return
+    if publisher:
+        shutil.rmtree(staged, ignore_errors=True)
+        if staged.parent.is_dir() and not any(staged.parent.iterdir()):
+            staged.parent.rmdir()
+    _barrier()
+    room = next((line for line, _ in failures if line), None)
+    if room:
+        raise HftkError("training.output_dir", room,
+                        "free space there (or raise the file size limit, `ulimit -f`), then rerun with "
+                        "--resume_from_checkpoint latest.")
+    if error is not None:
+        raise error
+    raise RuntimeError(f"writing {final} failed on another rank: {failures[0][1]}")
+
+
+def _out_of_room(final: Path, staged: Path, error: BaseException) -> str | None:
+    """The problem line when ``error`` (a failed write into ``staged``) means the disk had no room; else None.
+
+    The errno when the writer kept it (Python's ``OSError``, safetensors' "(os error N)"); torch's zip
+    writer reports a refused write only as a position mismatch, so the limits themselves are checked
+    then: free bytes on the filesystem and ``RLIMIT_FSIZE`` against what the checkpoint needs.
+    """
+    total, largest, source = _needed_bytes(final, staged)
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    free = shutil.disk_usage(staged if staged.exists() else final.parent).free
+    code = _space_errno(error)
+    if code is None and free < total:
+        code = errno.ENOSPC
+    if code is None and soft != resource.RLIM_INFINITY and soft < largest:
+        code = errno.EFBIG
+    if code is None:
+        return None
+    why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+           errno.EFBIG: "a file outgrew the file size limit"}[code]
+    if code == errno.EFBIG and soft != resource.RLIM_INFINITY:
+        why += f" (RLIMIT_FSIZE: {soft} bytes per file)"
+    latest = list_checkpoints(final.parent)
+    kept = f"{latest[-1].name} is intact and still the latest" if latest else "no earlier checkpoint exists"
+    return (f"saving {final} failed: {why}. It needs about {total} bytes ({source}), {free} bytes are free "
+            f"there; the unfinished save was removed, {kept}.")
+
+
+def _space_errno(error: BaseException | None) -> int | None:
+    """ENOSPC / EDQUOT / EFBIG from ``error`` or what it was raised from (errno, or its text)."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in SPACE_ERRNOS:
+            return error.errno
+        for code in SPACE_ERRNOS:
+            if os.strerror(code) in str(error):  # safetensors: "I/O error: File too large (os error 27)"
+                return code
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _needed_bytes(final: Path, staged: Path) -> tuple[int, int, str]:
+    """(total, largest file, where that comes from): the newest complete checkpoint's sealed sizes,
+    else what this save had written before it failed (a lower bound)."""
+    checkpoints = list_checkpoints(final.parent)
+    if checkpoints:
+        sizes = list(json.loads((checkpoints[-1] / COMPLETE_MARKER).read_text())["files"].values())
+        return sum(sizes), max(sizes, default=0), f"the size of {checkpoints[-1].name}"
+    sizes = [max(_size(Path(root) / name), 0) for root, _, names in os.walk(staged) for name in names]
+    return sum(sizes), max(sizes, default=0), "at least what was written before the write failed"
 
 
 def atomic_save(output_dir: Path, step: int, write: Callable[[Path], None], save_total_limit: int | None = None) -> Path:
@@ -346,7 +479,11 @@ def install_atomic_checkpoints(trainer: Any, after_publish: Callable[[Path], Non
         saving.update(output_dir=output_dir, staged=staged)
         trainer.args.output_dir = str(staging_root(output_dir))
         try:
-            save_checkpoint(model, trial)
+            try:
+                save_checkpoint(model, trial)
+            except BaseException as exc:  # settled collectively: no rank may be left waiting in a barrier
+                settle_write(output_dir / staged.name, staged, _write_error(exc), trainer.args.should_save)
+            settle_write(output_dir / staged.name, staged, None, trainer.args.should_save)
         except BaseException:
             trainer.args.output_dir = str(output_dir)
             saving.clear()
@@ -377,7 +514,8 @@ def _publish_trainer_checkpoint(trainer: Any, output_dir: Path, staged: Path,
     if args.should_save:
         if best != state.best_model_checkpoint and (staged / "trainer_state.json").exists():
             state.save_to_json(str(staged / "trainer_state.json"))
-        publish(staged, final, state.global_step)
+        publish(staged, final, state.global_step,
+                global_batch=args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size)
         rotate(output_dir, args.save_total_limit, protect=(state.best_model_checkpoint, str(final)))
         if after_publish is not None:
             after_publish(final)

@@ -190,7 +190,7 @@ def _check_parallel_degrees(cfg: RunConfig) -> None:
 
 def _check_output_dir(cfg: RunConfig) -> None:
     """Never silently train over someone's earlier checkpoints."""
-    from hftk.checkpoint import check_resumable, continues_this_job
+    from hftk.checkpoint import check_resumable, continues_this_job, resolve_resume
 
     resume = cfg.training.get("resume_from_checkpoint")
     if resume and resume != "latest" and not Path(resume).is_dir():
@@ -204,6 +204,45 @@ def _check_output_dir(cfg: RunConfig) -> None:
     if not resume and not restarted and earlier and not cfg.training.get("overwrite_output_dir"):
         raise HftkError("training.output_dir", f"{cfg.output_dir} already holds checkpoints of another run.",
                         "pass --resume_from_checkpoint latest to continue it, or choose a new output_dir.")
+    folder = resolve_resume(cfg.output_dir, resume)
+    if folder:
+        check_world_change(cfg, Path(folder), launch_world_size())
+
+
+def check_world_change(cfg: RunConfig, folder: Path, world_size: int) -> None:
+    """A resume at another world size than ``folder`` was saved with: exact, or refused in one line.
+
+    Strategies whose checkpoints hold whole or DCP-resharded state (``RESHARDS_ON_RESUME``: ddp,
+    fsdp) continue exactly when the global batch is kept (the Trainer then skips the same samples);
+    every other format holds one piece per rank, which a resume would load in part: refused."""
+    from hftk import strategies
+    from hftk.checkpoint import saved_world
+
+    saved, global_batch = saved_world(folder)
+    if saved is None or saved == world_size:
+        return
+    field = "training.resume_from_checkpoint"
+    module = strategies.get(cfg.strategy.strategy)
+    where = f"{folder} was saved by {saved} ranks; this launch has {world_size}"
+    if not getattr(module, "RESHARDS_ON_RESUME", False) or cfg.strategy.grad_compression != "none":
+        own = getattr(module, "OTHER_WORLD_SIZE_FIX", "")
+        why = "per-rank gradient compression state" if getattr(module, "RESHARDS_ON_RESUME", False) \
+            else f"{cfg.strategy.strategy}'s per-rank checkpoint pieces"
+        raise HftkError(field, f"{where}, and {why} cannot be split or joined across ranks.",
+                        f"resume with {saved} ranks{own}.")
+    args = cfg.args
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    if global_batch is None:
+        raise HftkError(field, f"{where}, and its seal records no global batch to continue the data position from.",
+                        f"resume with {saved} ranks.")
+    if batch != global_batch:
+        micro = args.per_device_train_batch_size * world_size
+        keep = (f"--gradient_accumulation_steps {global_batch // micro} with --per_device_train_batch_size "
+                f"{args.per_device_train_batch_size}" if global_batch % micro == 0 else
+                f"per_device_train_batch_size x gradient_accumulation_steps x {world_size} ranks = {global_batch}")
+        raise HftkError(field, f"{where}, and the global batch would be {batch} instead of {global_batch}: "
+                        "the data position would not continue where it stopped.",
+                        f"keep its global batch of {global_batch}: {keep}.")
 
 
 def _check_writable(output_dir: Path) -> None:

@@ -186,7 +186,7 @@ def run(prepared: PreparedRun) -> tuple[dict[str, float], Any]:
     pusher = run_pusher(prepared, trainer, cfg.output_dir / cfg.tracking.metrics_file)
     install_atomic_checkpoints(trainer, after_publish=pusher.checkpoint_published if pusher else None)
     resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))
-    announce_resume(cfg.output_dir, resume, trainer.args.should_save)
+    announce_resume(cfg.output_dir, resume, trainer.args.should_save, prepared.world_size)
     if trainer.args.should_save:  # what `hftk push checkpoint-N` writes the model card from
         save_run_record(cfg.output_dir, run_record(cfg, trainer.args, prepared.world_size, prepared.data_format, 0))
     # Preempted, or nan_policy=stop: `guarded` saves (if the Trainer did not) and exits with its own code.

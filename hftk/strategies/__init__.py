@@ -14,6 +14,9 @@ Every strategy module answers the same questions with plain functions (no base c
   world guard (DeepSpeed shares ZeRO-3's fp32 master with the parameters at train begin).
 - optional ``trainer_factory(cfg) -> callable``: builds the Trainer instead of
   ``transformers.Trainer`` when the strategy owns model/optimizer I/O (FSDP2's DTensor shards).
+- optional ``RESHARDS_ON_RESUME = True``: its checkpoints resume at another world size (whole or
+  DCP-resharded state; ``validate.check_world_change`` asks for the same global batch). Without it a
+  resume at another world size is refused, with ``OTHER_WORLD_SIZE_FIX`` added to the fix when set.
 
 A strategy whose layout the HF Trainer cannot drive names its engine module under
 ``hftk.engine`` in ``ENGINE`` (default ``"trainer"``). Tensor, context and sequence parallel

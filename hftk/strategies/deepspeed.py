@@ -29,6 +29,10 @@ from transformers import TrainerCallback
 from hftk.config import RunConfig
 from hftk.errors import HftkError
 
+# ZeRO keeps one optimizer partition per rank; DeepSpeed's own loader refuses another world size and
+# hftk does not load its universal checkpoints (ds_to_universal), so the way on is the weights alone.
+OTHER_WORLD_SIZE_FIX = (", or start a new run from its weights (`hftk export CHECKPOINT OUT`, then "
+                        "--model_name_or_path OUT; the optimizer state starts afresh)")
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
 OFFLOADED = ("zero3_offload",)
 
