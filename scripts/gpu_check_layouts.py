@@ -10,8 +10,9 @@ parameters are the DTensors (placements, local shard shapes) the layout promises
 not compared with a reference: under the fake group they are not the multi-rank run's.
 
 pp2 cannot run on the fake group: a pipeline stage receives its input activations, gradients and
-its neighbour's shapes by point-to-point recv, which the fake group leaves unfilled (torch's
-``PipelineStage`` inference unpickles an empty object). Its one-device equivalent here is hftk's
+its neighbour's shapes by point-to-point recv, which the fake group leaves unfilled (tried with
+``pipeline.build_runtime`` at pp_size 2 as rank 0 and as rank 1: ``PipelineStage``'s shape exchange
+read an object size from an unfilled buffer and tried to allocate ~1.4e14 bytes). Its one-device equivalent here is hftk's
 2-stage cut of the model (``pipeline.build_runtime``) on one rank, driven by torch's interleaved
 schedule, which hands activations and gradients between two stages of the same rank in memory.
 
