@@ -4,6 +4,8 @@ out: it holds CUDA warm-up / compilation), peak memory and the last loss, from e
 usage: python scripts/gpu_check_summary.py WORK_DIR RUN_NAME...   (WORK_DIR/RUN_NAME/metrics.jsonl)
        python scripts/gpu_check_summary.py --resume FULL_DIR RESUMED_DIR
            (the resumed run's losses against the uninterrupted run's at the same steps; exit 1 if apart)
+       python scripts/gpu_check_summary.py --mfu RUN_DIR
+           (the throughput run's line: tokens/s, MFU against the goal, the optimizer the run recorded)
 """
 
 from __future__ import annotations
@@ -52,7 +54,29 @@ def resume_verdict(full: Path, resumed: Path) -> tuple[bool, str]:
                 f"max |loss difference| {diff:.2e} (tolerance {RESUME_TOLERANCE:g})")
 
 
+MFU_GOAL = 0.45  # issue 16: bf16 at world size 1 (torchtitan: 33-39% for Llama-3.1-8B on 8 x H100 with FSDP)
+
+
+def mfu_line(run: Path) -> str:
+    """The throughput run's medians (first window left out) and whether MFU reaches the goal."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
+        if (run / "metrics.jsonl").exists() else []
+    mfu = _steady([r["mfu"] for r in rows if "mfu" in r])
+    speed = _steady([r["tokens_per_s"] for r in rows if "tokens_per_s" in r])
+    record = run / "hftk_run.json"
+    optim = json.loads(record.read_text())["hyperparameters"].get("optim", "?") if record.exists() else "?"
+    if not mfu:
+        return f"throughput ({run.name}): no MFU logged (run failed, or no GPU peak known for this device)"
+    value = statistics.median(mfu)
+    verdict = "reached" if value >= MFU_GOAL else "not reached"
+    return (f"throughput ({run.name}): {statistics.median(speed):,.0f} tokens/s, MFU {100 * value:.1f}% of the "
+            f"dense bf16 peak; goal >= {100 * MFU_GOAL:.0f}%: {verdict} (optimizer: {optim})")
+
+
 def main(argv: list[str]) -> None:
+    if argv[0] == "--mfu":
+        print(mfu_line(Path(argv[1])))
+        return
     if argv[0] == "--resume":
         ok, line = resume_verdict(Path(argv[1]), Path(argv[2]))
         print(line)

@@ -84,3 +84,59 @@ def test_gpu_check_summary_and_resume_verdict_on_real_runs(tmp_path):
                                                    + "\n" for r in rows))
     verdict = _summary("--resume", full, resumed)
     assert verdict.returncode == 1 and "DIFFER" in verdict.stdout, verdict.stdout
+
+
+@pytest.mark.slow
+def test_gpu_check_layouts_build_and_step_every_multi_rank_layout_on_one_device():
+    """gpu_check's layout rows on this host's device, fp32: tp2 x fsdp2, cp2 x tp2, sp2 (fake process group,
+    hftk's own layout code and mesh-loop step) and pp2 (hftk's 2-stage cut under torch's schedule), each
+    row passing only with a finite loss, every parameter moved and the promised DTensor placements."""
+    result = run([sys.executable, str(ROOT / "scripts" / "gpu_check_layouts.py"), "--dtypes", "fp32"], timeout=900)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "fp32" in line]
+    assert result.returncode == 0, result.output[-4000:]
+    assert [r.split("|")[1].strip() for r in rows] == ["tp2 x fsdp2", "cp2 x tp2", "sp2", "pp2"], result.stdout
+    assert all("| pass |" in r for r in rows), result.stdout
+    assert "fake process group" in result.stdout
+
+
+def test_gpu_check_mfu_line_from_metrics(tmp_path):
+    """The throughput line: medians after the first (warm-up) window, the 45% goal, the recorded optimizer."""
+    import json
+
+    run_dir = tmp_path / "llama1b_bf16"
+    run_dir.mkdir()
+    rows = [{"step": 10, "tokens_per_s": 1000.0, "mfu": 0.05}, {"step": 20, "tokens_per_s": 40000.0, "mfu": 0.41},
+            {"step": 30, "tokens_per_s": 42000.0, "mfu": 0.43}, {"step": 40, "tokens_per_s": 44000.0, "mfu": 0.47}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "hftk_run.json").write_text(json.dumps({"hyperparameters": {"optim": "adamw_torch_fused"}}))
+    line = _summary("--mfu", run_dir).stdout.strip()
+    assert line == ("throughput (llama1b_bf16): 42,000 tokens/s, MFU 43.0% of the dense bf16 peak; goal >= 45%: "
+                    "not reached (optimizer: adamw_torch_fused)"), line
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({**r, "mfu": r["mfu"] + 0.1}) + "\n" for r in rows))
+    assert "MFU 53.0% of the dense bf16 peak; goal >= 45%: reached" in _summary("--mfu", run_dir).stdout
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 10, "tokens_per_s": 5.0}) + "\n")
+    assert "no MFU logged" in _summary("--mfu", run_dir).stdout
+
+
+@pytest.mark.slow
+def test_gpu_check_throughput_model_folder_trains_with_the_run_s_options(tmp_path):
+    """The 1B run's code path at test size: gpu_check_model.py writes a Llama folder (config, bf16 weights,
+    tokenizer) from a config, and hftk's entry point trains it with the throughput run's options; the
+    optimizer asked for (equal to TrainingArguments' default, which load_config leaves out of
+    cfg.training) is the one the Trainer records."""
+    import json
+
+    from transformers import AutoConfig
+
+    folder = tmp_path / "llama"
+    made = run([sys.executable, str(ROOT / "scripts" / "gpu_check_model.py"), str(folder), "--tiny"], timeout=300)
+    assert made.returncode == 0, made.output[-3000:]
+    config = AutoConfig.from_pretrained(folder)
+    assert (config.model_type, config.num_key_value_heads, str(config.dtype)) == ("llama", 2, "torch.bfloat16")
+    out = tmp_path / "out"
+    finetune(1, ["--model_name_or_path", str(folder), "--attn_implementation", "sdpa", "--optim", "adamw_torch_fused",
+                 "--block_size", "128", "--max_steps", "2", "--logging_steps", "1", "--output_dir", str(out)])
+    record = json.loads((out / "hftk_run.json").read_text())
+    assert record["hyperparameters"]["optim"] == "adamw_torch_fused", record["hyperparameters"]
+    line = _summary("--mfu", out).stdout
+    assert "no MFU logged" in line if not torch.cuda.is_available() else "MFU" in line, line
