@@ -299,6 +299,9 @@ class RunConfig:
     hub: HubConfig
     resilience: ResilienceConfig
     training: dict[str, Any]
+    # Training options the user set (command line or YAML), even to TrainingArguments' own default,
+    # which ``training`` leaves out: an engine whose choice differs from that default reads it here.
+    given: frozenset[str] = frozenset()
 
     @property
     def output_dir(self) -> Path:
@@ -383,8 +386,8 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     config_path = _config_path(argv)
-    if config_path:
-        parser.set_defaults(**_flatten_yaml(_read_yaml(config_path)))
+    from_yaml = _flatten_yaml(_read_yaml(config_path)) if config_path else {}
+    parser.set_defaults(**from_yaml)
     try:
         namespace, unknown = parser.parse_known_args(argv)
     except argparse.ArgumentError as exc:
@@ -393,6 +396,11 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
     if unknown:
         bad = next((u for u in unknown if u.startswith("-")), unknown[0])
         raise HftkError(bad, "is not a known option.", "see `hftk train --help` for the options.")
+    # argparse fills a namespace attribute with its default only when absent: pre-set to a marker,
+    # the attributes left holding it are the options the command line did not give.
+    unset = object()
+    probe, _ = parser.parse_known_args(argv, namespace=argparse.Namespace(**{k: unset for k in vars(namespace)}))
+    given = {k for k, v in vars(probe).items() if v is not unset} | set(from_yaml)
     values = vars(namespace)
     values.pop("config", None)
     sections = {
@@ -415,7 +423,7 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
     for key, value in training.items():
         if declared.get(key) in (int, float, bool):
             _check_value(f"training.{key}", value, declared[key].__name__, None)
-    return RunConfig(**sections, training=training)
+    return RunConfig(**sections, training=training, given=frozenset(given & set(training_fields)))
 
 
 def training_defaults() -> dict[str, Any]:

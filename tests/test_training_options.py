@@ -53,3 +53,18 @@ def test_no_module_reads_a_training_option_with_a_default_of_its_own():
              for m in re.finditer(r'\.get\("([a-z_0-9]+)",\s*[^)]+\)', line)
              if m.group(1) in fields and allowed not in m.group(0)]
     assert not found, found
+
+
+def test_an_option_given_at_training_arguments_default_still_counts_as_given(tmp_path):
+    """The mesh loop keeps torch's unfused AdamW unless --optim is given: asking for adamw_torch_fused
+    (TrainingArguments' own default, so left out of cfg.training) on the command line or in YAML gets it."""
+    from hftk.engine.mesh_loop import loop_args
+
+    base = ["--strategy", "tp", "--model_name_or_path", "builtin:gpt2-tiny"]
+    assert loop_args(load_config(base)).optim == "adamw_torch"
+    cli = load_config([*base, "--optim", "adamw_torch_fused"])
+    assert "optim" not in cli.training and "optim" in cli.given and loop_args(cli).optim == "adamw_torch_fused"
+    (tmp_path / "run.yaml").write_text("training:\n  optim: adamw_torch_fused\n")
+    yaml = load_config([*base, "--config", str(tmp_path / "run.yaml")])
+    assert loop_args(yaml).optim == "adamw_torch_fused"
+    assert load_config([*base, "--seed", "3"]).given == {"seed"}  # model / strategy options are not training ones

@@ -343,7 +343,7 @@ def loop_args(cfg: Any) -> SimpleNamespace:
     """The TrainingArguments values this run uses (``cfg.args``; constructing TrainingArguments would start
     accelerate's state), with the loop's own AdamW when ``--optim`` is not given: torch's, not fused.
     ``max_steps`` is set once the data size is known."""
-    return SimpleNamespace(**{**vars(cfg.args), "optim": cfg.training.get("optim", "adamw_torch")})
+    return SimpleNamespace(**{**vars(cfg.args), "optim": cfg.args.optim if "optim" in cfg.given else "adamw_torch"})
 
 
 def train(prepared: PreparedRun) -> dict[str, float]:
