@@ -4,8 +4,9 @@ pp x dp on 4 ranks, exact resume, export to a standard HF folder, and clear erro
 process group.
 
 The reference of each model is tests/reference/plain.py's loop (no hftk, no Trainer), with the
-Trainer's fused AdamW and its loss divisor (every label of the step: ``num_items_in_batch`` for a
-model without ``loss_type``), which the pipeline engine follows. Launches are shared
+Trainer's fused AdamW and its loss divisor, which the pipeline engine follows: the Trainer counts
+``num_items_in_batch`` as the predicted tokens for a model whose ``loss_type`` is ForCausalLM (Llama)
+and as every label otherwise (GPT-2, 1/64 more at block size 64). Launches are shared
 (``tests.helpers.finetune_cells``): one 2-rank launch running all three schedules of both models and
 the resume, one 4-rank pp x dp launch.
 """
@@ -24,6 +25,7 @@ from tests.helpers import (FINETUNE, TINY_ARGS, finetune_cells, load_weights, lo
 
 STEPS = 5
 MODELS = {"gpt2": "builtin:gpt2-tiny4", "llama": "builtin:llama-tiny"}
+DIVISORS = {"gpt2": "labels", "llama": "targets"}  # the Trainer's num_items_in_batch for each (see above)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 COMMON = ["--max_steps", str(STEPS), "--per_device_train_batch_size", "8"]
 PIPE = ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "4"]
@@ -35,7 +37,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     for name, model in MODELS.items():
         plain_reference("loop", root / f"ref-{name}", ["--max_steps", str(STEPS), "--batch_size", "8", "--optim",
-                                                       "adamw_torch_fused", "--loss_divisor", "labels", "--eval"],
+                                                       "adamw_torch_fused", "--loss_divisor", DIVISORS[name], "--eval"],
                         model=model)
     two = {}
     for name, model in MODELS.items():

@@ -2,8 +2,9 @@
 
 The suite's parity tests used to compare hftk's distributed engines with hftk's own engine on one
 process, so a mistake shared by both (data, loss, optimizer, schedule) could not show. This script
-imports nothing from hftk (``tests/test_references.py`` checks its imports and ``sys.modules``) and
-rebuilds everything from the same local model folder and text file:
+imports nothing from hftk (``tests/test_references.py`` reads its imports; every run lists the hftk
+modules loaded, which ``tests/helpers.plain_reference`` requires to be none) and rebuilds everything
+from the same local model folder and text file:
 
 - data: run_clm's recipe -- the ``text`` loader, the first ``max_train_samples`` rows,
   ``train_test_split(eval_fraction, seed)`` for the held-out rows, empty lines dropped, each line
@@ -52,8 +53,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--optim", choices=("adamw_torch", "adamw_torch_fused"), default="adamw_torch_fused",
                    help="loop: torch's AdamW, foreach or fused (the Trainer's default on torch >= 2.8)")
     p.add_argument("--loss_divisor", choices=("targets", "labels"), default="targets",
-                   help="loop: divide the summed loss by the predicted tokens (the mean, batch - 1 per row) or by "
-                        "every label, as the Trainer counts num_items_in_batch for a model without loss_type")
+                   help="loop (training and held-out loss): divide the summed loss by the predicted tokens (the "
+                        "mean, block - 1 per row) or by every label, as the Trainer counts num_items_in_batch for a "
+                        "model without a ForCausalLM loss_type (GPT-2)")
     p.add_argument("--eval", action="store_true", help="also the held-out loss of the final weights")
     return p.parse_args(argv)
 
@@ -146,13 +148,13 @@ def run_loop(args: argparse.Namespace, model: Any, train: Any, held_out: Any) ->
         optimizer.zero_grad(set_to_none=True)
         out["losses"][step], out["grad_norms"][step] = loss.item(), norm.item()
     if args.eval:
-        out["eval_loss"] = held_out_loss(model, held_out, args.batch_size)
+        out["eval_loss"] = held_out_loss(model, held_out, args.batch_size, args.loss_divisor)
     return out
 
 
 @torch.no_grad()
-def held_out_loss(model: Any, held_out: Any, batch_size: int) -> float:
-    """Mean next-token loss over every predicted token of the held-out blocks."""
+def held_out_loss(model: Any, held_out: Any, batch_size: int, divisor: str) -> float:
+    """Summed next-token loss of the held-out blocks over the predicted tokens (or every label: ``divisor``)."""
     model.eval()
     total = count = 0.0
     for start in range(0, len(held_out), batch_size):
@@ -161,7 +163,7 @@ def held_out_loss(model: Any, held_out: Any, batch_size: int) -> float:
         targets = rows["labels"][:, 1:]
         total += float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(),
                                                          reduction="sum", ignore_index=-100))
-        count += float(targets.ne(-100).sum())
+        count += float((targets if divisor == "targets" else rows["labels"]).ne(-100).sum())
     return total / count
 
 
