@@ -20,6 +20,7 @@ from hftk.bench.launch import free_port, torchrun_command  # noqa: F401 (free_po
 ROOT = Path(__file__).resolve().parents[1]
 FINETUNE = ROOT / "scripts" / "finetune.py"
 CELLS = ROOT / "tests" / "workers" / "matrix_cells.py"
+PLAIN = ROOT / "tests" / "reference" / "plain.py"
 
 # Small, deterministic, fast: tiny GPT-2, dropout off, constant LR, one loss per step.
 TINY_ARGS = [
@@ -138,13 +139,40 @@ def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout:
     return outputs
 
 
+def plain_reference(mode: str, out: Path, args: list[str], model: str = "builtin:gpt2-tiny",
+                    timeout: float = 600) -> Path:
+    """Train with tests/reference/plain.py -- a plain ``transformers.Trainer`` (``trainer``) or PyTorch
+    loop (``loop``), in one plain process, importing nothing from hftk -- on the folder of the built-in
+    ``model`` and the shipped corpus, with TINY_ARGS' data and optimisation settings plus ``args``.
+    Returns ``out``: :func:`losses` and :func:`metrics` read its ``losses.json``, its weights are in
+    ``out/final``."""
+    from hftk.builtin import CORPUS, materialize_model
+
+    shared = dict(zip(TINY_ARGS[::2], TINY_ARGS[1::2]))
+    tiny = [x for key in ("--block_size", "--max_train_samples", "--lr_scheduler_type", "--warmup_steps",
+                          "--learning_rate", "--seed") for x in (key, shared[key])]
+    result = run([sys.executable, str(PLAIN), mode, "--model", str(materialize_model(model)), "--text", str(CORPUS),
+                  "--out", str(out), *tiny, *args], timeout)
+    assert result.returncode == 0, f"plain reference failed ({result.returncode}):\n{result.output[-6000:]}"
+    assert json.loads((Path(out) / "losses.json").read_text())["hftk_loaded"] == []  # really not hftk
+    return Path(out)
+
+
 def metrics(output_dir: Path) -> list[dict[str, Any]]:
+    """hftk's metrics file, or a plain reference's ``losses.json`` as the same rows (step, loss,
+    grad_norm, the Trainer's epoch; its final eval_loss at the last step)."""
+    plain = Path(output_dir) / "losses.json"
+    if plain.is_file():
+        ref = json.loads(plain.read_text())
+        rows = [{"step": int(s), "loss": loss, "grad_norm": ref["grad_norms"][s],
+                 **({"epoch": ref["epochs"][s]} if "epochs" in ref else {})} for s, loss in ref["losses"].items()]
+        return rows + ([{"step": rows[-1]["step"], "eval_loss": ref["eval_loss"]}] if "eval_loss" in ref else [])
     path = Path(output_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def losses(output_dir: Path) -> dict[int, float]:
-    """Per-step training loss from the metrics file."""
+    """Per-step training loss from the metrics file (or a plain reference's)."""
     return {m["step"]: m["loss"] for m in metrics(output_dir) if "loss" in m}
 
 

@@ -1,4 +1,5 @@
-"""DDP over gloo: really 2 ranks, replicas in sync, losses equal one process, exact resume."""
+"""DDP over gloo: really 2 ranks, replicas in sync, losses equal a plain ``transformers.Trainer`` on one
+process (tests/reference/plain.py, no hftk), exact resume."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.helpers import finetune, load_weights, losses, max_weight_diff, metrics, wandb_run
+from tests.helpers import finetune, load_weights, losses, max_weight_diff, metrics, plain_reference, wandb_run
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -14,12 +15,12 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One single-process reference and one 2-rank DDP run with the same global batch (8)."""
+    """A plain Trainer on one process (the reference) and a 2-rank DDP run with the same global batch (8)."""
     root = tmp_path_factory.mktemp("ddp")
-    common = ["--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "4", "--check_sync_steps", "1"]
-    single = finetune(1, [*common, "--output_dir", str(root / "single"), "--per_device_train_batch_size", "8"])
-    ddp = finetune(2, [*common, "--output_dir", str(root / "ddp"), "--per_device_train_batch_size", "4",
-                       "--report_to", "wandb"])
+    single = plain_reference("trainer", root / "single", ["--max_steps", str(STEPS), "--batch_size", "8"])
+    ddp = finetune(2, ["--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "4",
+                       "--check_sync_steps", "1", "--output_dir", str(root / "ddp"), "--per_device_train_batch_size",
+                       "4", "--report_to", "wandb"])
     return root, single, ddp
 
 
@@ -50,7 +51,7 @@ def test_replicas_identical_after_every_step(runs):
     assert all(m["ranks_in_sync"] for m in sync)
 
 
-def test_losses_match_single_process(runs):
+def test_losses_match_a_plain_trainer_on_one_process(runs):
     root, _, _ = runs
     ref, got = losses(root / "single"), losses(root / "ddp")
     assert sorted(ref) == sorted(got) == list(range(1, STEPS + 1))

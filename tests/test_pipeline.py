@@ -1,10 +1,14 @@
 """Pipeline parallelism: stages cut from the HF model's own structure, every schedule exact against
-one process (losses and weights, tied embeddings included), pp x dp on 4 ranks, exact resume,
-export to a standard HF folder, and clear errors before any process group.
+a plain PyTorch loop on one process (losses, gradient norms and weights, tied embeddings included),
+pp x dp on 4 ranks, exact resume, export to a standard HF folder, and clear errors before any
+process group.
 
-Launches are shared (``tests.helpers.finetune_cells``): one single-process launch for the Trainer
-reference of each model, one 2-rank launch running all three schedules of both models and the
-resume, one 4-rank pp x dp launch.
+The reference of each model is tests/reference/plain.py's loop (no hftk, no Trainer), with the
+Trainer's fused AdamW and its loss divisor, which the pipeline engine follows: the Trainer counts
+``num_items_in_batch`` as the predicted tokens for a model whose ``loss_type`` is ForCausalLM (Llama)
+and as every label otherwise (GPT-2, 1/64 more at block size 64). Launches are shared
+(``tests.helpers.finetune_cells``): one 2-rank launch running all three schedules of both models and
+the resume, one 4-rank pp x dp launch.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FINETUNE, TINY_ARGS, finetune_cells, load_weights, losses, max_weight_diff, metrics, run
+from tests.helpers import (FINETUNE, TINY_ARGS, finetune_cells, load_weights, losses, max_weight_diff, metrics,
+                           plain_reference, run)
 
 STEPS = 5
-MODELS = {"gpt2": ["--model_name_or_path", "builtin:gpt2-tiny4"], "llama": ["--model_name_or_path", "builtin:llama-tiny"]}
+MODELS = {"gpt2": "builtin:gpt2-tiny4", "llama": "builtin:llama-tiny"}
+DIVISORS = {"gpt2": "labels", "llama": "targets"}  # the Trainer's num_items_in_batch for each (see above)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 COMMON = ["--max_steps", str(STEPS), "--per_device_train_batch_size", "8"]
 PIPE = ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "4"]
@@ -29,19 +35,22 @@ pytestmark = pytest.mark.timeout(1800)  # the first slow test launches every run
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    finetune_cells(1, {f"ref-{name}": [*model, *COMMON, "--output_dir", str(root / f"ref-{name}")]
-                       for name, model in MODELS.items()}, root)
+    for name, model in MODELS.items():
+        plain_reference("loop", root / f"ref-{name}", ["--max_steps", str(STEPS), "--batch_size", "8", "--optim",
+                                                       "adamw_torch_fused", "--loss_divisor", DIVISORS[name], "--eval"],
+                        model=model)
     two = {}
     for name, model in MODELS.items():
         save = ["--save_strategy", "steps", "--save_steps", "3"] if name == "gpt2" else []
-        two.update({f"{name}-{s}": [*model, *COMMON, *PIPE, *save, "--pp_schedule", s, "--output_dir",
-                                    str(root / f"{name}-{s}")] for s in SCHEDULES})
+        two.update({f"{name}-{s}": ["--model_name_or_path", model, *COMMON, *PIPE, *save, "--pp_schedule", s,
+                                    "--output_dir", str(root / f"{name}-{s}")] for s in SCHEDULES})
     resumed = root / "gpt2-resumed"
-    two["gpt2-resumed"] = [*MODELS["gpt2"], *COMMON, *PIPE, "--pp_schedule", "gpipe", "--output_dir", str(resumed),
+    gpt2 = ["--model_name_or_path", MODELS["gpt2"]]
+    two["gpt2-resumed"] = [*gpt2, *COMMON, *PIPE, "--pp_schedule", "gpipe", "--output_dir", str(resumed),
                            "--resume_from_checkpoint", "latest"]
     finetune_cells(2, two, root, options={"gpt2-resumed": {"copy": [root / "gpt2-gpipe" / "checkpoint-3",
                                                                     resumed / "checkpoint-3"]}})
-    finetune_cells(4, {"gpt2-dp": [*MODELS["gpt2"], *PIPE, "--max_steps", str(STEPS), "--per_device_train_batch_size",
+    finetune_cells(4, {"gpt2-dp": [*gpt2, *PIPE, "--max_steps", str(STEPS), "--per_device_train_batch_size",
                                    "4", "--pp_schedule", "1f1b", "--check_sync_steps", "1", "--output_dir",
                                    str(root / "gpt2-dp")]}, root)
     return root
@@ -52,7 +61,7 @@ CASES = [(m, s) for m in MODELS for s in SCHEDULES] + [("gpt2", "dp")]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,schedule", CASES, ids=[f"{m}-{s}" for m, s in CASES])
-def test_losses_and_weights_equal_one_process(runs, model, schedule):
+def test_losses_and_weights_equal_a_plain_loop(runs, model, schedule):
     ref, got = losses(runs / f"ref-{model}"), losses(runs / f"{model}-{schedule}")
     assert sorted(ref) == sorted(got) == list(range(1, STEPS + 1))
     for step in ref:
@@ -135,7 +144,7 @@ def test_run_record_and_card_count_processes_and_replicas(runs, folder, processe
 
 @pytest.mark.slow
 def test_export_reloads_with_reference_eval_loss(runs, tmp_path):
-    """`hftk export` of a per-stage checkpoint -> from_pretrained -> the Trainer's eval loss of the reference."""
+    """`hftk export` of a per-stage checkpoint -> from_pretrained -> the Trainer's eval loss = the reference's."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
     from hftk.data import tokenize_and_pack
@@ -146,7 +155,7 @@ def test_export_reloads_with_reference_eval_loss(runs, tmp_path):
     assert export(runs / "gpt2-1f1b" / f"checkpoint-{STEPS}", tmp_path / "hf") == "pipeline"
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert model.lm_head.weight is model.transformer.wte.weight
-    prepared = prepare([*TINY_ARGS, *MODELS["gpt2"], "--output_dir", str(tmp_path / "unused")])
+    prepared = prepare([*TINY_ARGS, "--model_name_or_path", MODELS["gpt2"], "--output_dir", str(tmp_path / "unused")])
     tokenizer = load_tokenizer(prepared.cfg.model)
     data = tokenize_and_pack(prepared.cfg.data, prepared.raw, tokenizer, prepared.data_format, 7)
     args = TrainingArguments(output_dir=str(tmp_path / "eval"), use_cpu=True, report_to="none",
@@ -269,7 +278,8 @@ def test_bad_pipeline_config_is_named_before_any_process_group(case_id, world, a
     args = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in args]
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(HftkError) as err:
-        prepare([*TINY_ARGS, *MODELS["gpt2"], *PIPE, "--output_dir", str(tmp_path / "out"), *args])
+        prepare([*TINY_ARGS, "--model_name_or_path", MODELS["gpt2"], *PIPE, "--output_dir", str(tmp_path / "out"),
+                 *args])
     assert needle in err.value.one_line() and "Fix:" in err.value.one_line()
     assert not dist.is_initialized()
     assert not (tmp_path / "out").exists()

@@ -1,7 +1,10 @@
 """Tensor, context and sequence parallel over gloo: real sharding, parity with one process, exact resume, export.
 
-Every multi-process configuration runs once (module-scoped fixtures); the single-process
-references are the same strategies at degree 1 on one process, i.e. the plain model.
+Every multi-process configuration runs once (module-scoped fixtures). References: GPT-2's is a plain
+PyTorch loop on one process (tests/reference/plain.py: no hftk, torch's AdamW as the mesh loop builds
+it, the mean loss over every predicted token); Llama's is the mesh loop at degree 1 on one process
+(its checkpoint and memory counts serve the export and memory tests), itself checked against the
+plain loop.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 
 from tests.faults import TOKEN, hub_env
 from tests.helpers import (ROOT, TINY_ARGS, cpu_only_cases, finetune, load_weights, losses, max_weight_diff, metrics,
-                           torchrun, wandb_run)
+                           plain_reference, torchrun, wandb_run)
 
 STEPS = 5
 TOL = 1e-5
@@ -59,9 +62,15 @@ def llama_tp(root):
                                       "--save_strategy", "steps", "--save_steps", "3"])
 
 
+def _plain_loop(root, name: str, model: str):
+    """The plain PyTorch loop with the mesh loop's settings: global batch 4, torch's AdamW (foreach)."""
+    return plain_reference("loop", root / name, ["--max_steps", str(STEPS), "--batch_size", "4", "--optim",
+                                                 "adamw_torch", "--eval"], model=model)
+
+
 @pytest.fixture(scope="module")
 def gpt2_ref(root):
-    return _run(root, "gpt2_ref", 1, [*GPT2, "--strategy", "tp", "--per_device_train_batch_size", "4"])
+    return _plain_loop(root, "gpt2_ref", GPT2[1])
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +201,13 @@ def test_tp2_trains_like_one_process(request, model):
 
 
 @pytest.mark.slow
+def test_the_one_process_llama_reference_trains_like_a_plain_loop(root, llama_ref):
+    plain = _plain_loop(root, "llama_plain", LLAMA[1])
+    _assert_same_training(plain, llama_ref)
+    assert _eval_loss(llama_ref) == pytest.approx(_eval_loss(plain), abs=TOL)
+
+
+@pytest.mark.slow
 def test_tp2_x_fsdp2_on_four_ranks_trains_like_one_process(llama_ref, tp_fsdp):
     layout = _layout(tp_fsdp)
     assert layout["layout"]["world_size"] == 4
@@ -223,7 +239,7 @@ def test_cp2_ring_attention_trains_like_one_process(llama_ref, llama_cp):
 def test_cp2_x_tp2_with_activation_checkpointing_on_four_ranks_trains_like_one_process(gpt2_ref, gpt2_cp_tp):
     layout = _layout(gpt2_cp_tp)
     assert (layout["layout"]["world_size"], layout["layout"]["cp_size"], layout["layout"]["tp_size"]) == (4, 2, 2)
-    assert layout["layout"]["activation_checkpointing"] and not _layout(gpt2_ref)["layout"]["activation_checkpointing"]
+    assert layout["layout"]["activation_checkpointing"]  # the plain reference recomputes nothing
     q = layout["local_shapes"]["transformer.h.0.attn.c_attn.q.weight"]
     assert q["full"] == [64, 64] and q["local"] == [16, 64] and len(q["placements"]) == 2  # 2-D: FSDP(cp) x TP
     _assert_same_training(gpt2_ref, gpt2_cp_tp)
