@@ -40,7 +40,7 @@ OPTION_HELP = {
     "nproc": "DDP processes of every run",
     "model": "model to train (hftk train --model_name_or_path)",
     "block_size": "tokens per block (bfd / concat) and the pad-to-block length",
-    "micro_batch": "packed rows per rank per step (concat, bfd); the padded modes take that many bfd rows' examples",
+    "micro_batch": "packed rows per rank per step (concat, bfd); the padded modes take as many rows as give bfd's step count",
     "examples": "prompt / completion pairs the bench writes (a tenth held out)",
     "min_words": "shortest example, in corpus words",
     "max_words": "longest example, in corpus words (>= 10x min_words)",
@@ -91,7 +91,7 @@ def run_data_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, bl
             "--block_size", str(block_size), "--per_device_eval_batch_size", str(micro_batch),
             "--num_train_epochs", "1", "--learning_rate", str(learning_rate), "--model_dropout", "0"]
     bfd = bfd_packing([*base, *MODES["bfd"], *(train_args or []), "--output_dir", str(out_dir / "bfd" / "run")])
-    padded_rows = max(1, round(micro_batch * bfd["examples_per_row"]))
+    padded_rows = padded_rows_per_rank(bfd, nproc, micro_batch)
     runs = {}
     for mode, extra in MODES.items():  # rows per rank are the bench's own, after any train_args
         work = out_dir / mode
@@ -114,6 +114,14 @@ def run_data_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, bl
     return result
 
 
+def padded_rows_per_rank(bfd: dict[str, Any], nproc: int, micro_batch: int) -> int:
+    """Rows per rank that give the one-example-per-row modes as many optimizer steps as bfd's epoch
+    (the fewest such rows, so about as many examples per step): at equal tokens, a different step
+    count or a short extra last step would move the held-out loss by itself."""
+    steps = math.ceil(bfd["train_rows"] / (nproc * micro_batch))
+    return math.ceil(bfd["train_examples"] / (nproc * steps))
+
+
 def bfd_packing(argv: list[str]) -> dict[str, Any]:
     """Training examples and examples per row of the bfd run ``argv``, packed here as the run packs
     them (``hftk.data``: the same tokenisation, split seed and TRL best-fit decreasing)."""
@@ -124,7 +132,7 @@ def bfd_packing(argv: list[str]) -> dict[str, Any]:
     p = prepare(argv)
     train = tokenize_sources(p.sources, load_tokenizer(p.cfg.model, p.cfg.data.chat_template), p.cfg.args.seed).train
     examples = sum(len(lengths) for lengths in train["seq_lengths"])
-    return {"train_examples": examples, "examples_per_row": examples / len(train)}
+    return {"train_examples": examples, "train_rows": len(train), "examples_per_row": examples / len(train)}
 
 
 def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -145,7 +153,7 @@ def table(result: dict[str, Any]) -> dict[str, Any]:
     d = result["data"]
     return {"title": f"Packing modes, one epoch of {d['examples']} prompt/completion pairs ({d['words_min']}-"
                      f"{d['words_max']} words), block {result['block_size']}, {result['nproc']} DDP ranks, packed rows "
-                     f"x {result['bfd_examples_per_row']:.2f} examples (bfd) = padded rows per step; bfd / "
+                     f"({result['bfd_examples_per_row']:.2f} examples each, bfd), {result['padded_rows_per_rank']} padded rows: equal steps; bfd / "
                      f"pad-to-block useful tokens/s = {result['bfd_vs_pad_to_block']:.2f}x, held-out loss "
                      f"{result['bfd_eval_loss_vs_pad_to_block']:+.1%}; one launch per mode",
             "columns": ["packing", "useful tokens/s", "padding share", "tokens computed", "rows / rank", "steps",
