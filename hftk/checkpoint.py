@@ -324,7 +324,8 @@ def load_rng(folder: Path) -> bool:
 
 
 @contextmanager
-def staged_folder(final: Path, publisher: bool, step: int | None = None) -> Iterator[Path]:
+def staged_folder(final: Path, publisher: bool, step: int | None = None,
+                  global_batch: int | None = None) -> Iterator[Path]:
     """Collective: every rank writes into the yielded staging folder; on exit it appears as ``final``.
 
     Nothing is published when the body raises: ``final`` keeps its previous content, if any.
@@ -342,7 +343,7 @@ def staged_folder(final: Path, publisher: bool, step: int | None = None) -> Iter
         settle_write(final, staged, _write_error(exc), publisher)
     settle_write(final, staged, None, publisher)  # every rank's files are written
     if publisher:
-        publish(staged, final, step)
+        publish(staged, final, step, global_batch)
     _barrier()  # nobody moves on before the folder is in place
 
 
@@ -444,13 +445,15 @@ def _needed_bytes(final: Path, staged: Path) -> tuple[int, int, str]:
     return sum(sizes), max(sizes, default=0), "at least what was written before the write failed"
 
 
-def atomic_save(output_dir: Path, step: int, write: Callable[[Path], None], save_total_limit: int | None = None) -> Path:
+def atomic_save(output_dir: Path, step: int, write: Callable[[Path], None], save_total_limit: int | None = None,
+                global_batch: int | None = None) -> Path:
     """Collective atomic ``checkpoint-<step>`` for loops without the Trainer: ``write(folder)`` writes this rank's files.
 
-    Rank 0 publishes and then keeps the newest ``save_total_limit`` complete checkpoints.
+    Rank 0 publishes and then keeps the newest ``save_total_limit`` complete checkpoints. A loop whose
+    checkpoints reshard gives ``global_batch``, sealed so a resume at another world size can keep it.
     """
     final = Path(output_dir) / checkpoint_name(step)
-    with staged_folder(final, publisher=_rank() == 0, step=step) as folder:
+    with staged_folder(final, publisher=_rank() == 0, step=step, global_batch=global_batch) as folder:
         write(folder)
     if _rank() == 0:
         rotate(output_dir, save_total_limit, protect=(str(final),))

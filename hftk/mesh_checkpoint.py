@@ -46,7 +46,8 @@ def save(output_dir: Path, step: int, layout: Any, optimizer: Any, scheduler: An
             tokenizer.save_pretrained(folder)
             (folder / LAYOUT_FILE).write_text(json.dumps({**layout.describe, "step": step}, indent=1, sort_keys=True))
 
-    return atomic_save(output_dir, step, write, cfg.training.get("save_total_limit"))
+    global_batch = (cfg.args.per_device_train_batch_size * cfg.args.gradient_accumulation_steps * layout.data_size)
+    return atomic_save(output_dir, step, write, cfg.training.get("save_total_limit"), global_batch)
 
 
 def load(folder: Path, layout: Any, optimizer: Any, scheduler: Any) -> int:

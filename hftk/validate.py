@@ -213,7 +213,7 @@ def check_world_change(cfg: RunConfig, folder: Path, world_size: int) -> None:
     """A resume at another world size than ``folder`` was saved with: exact, or refused in one line.
 
     Strategies whose checkpoints hold whole or DCP-resharded state (``RESHARDS_ON_RESUME``: ddp,
-    fsdp) continue exactly when the global batch is kept (the Trainer then skips the same samples);
+    fsdp, tp, cp, sp) continue exactly when the global batch is kept (the Trainer then skips the same samples);
     every other format holds one piece per rank, which a resume would load in part: refused."""
     from hftk import strategies
     from hftk.checkpoint import saved_world
@@ -231,15 +231,17 @@ def check_world_change(cfg: RunConfig, folder: Path, world_size: int) -> None:
         raise HftkError(field, f"{where}, and {why} cannot be split or joined across ranks.",
                         f"resume with {saved} ranks{own}.")
     args = cfg.args
-    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    readers = getattr(module, "data_parallel_size", lambda _cfg, world: world)(cfg, world_size)
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * readers
     if global_batch is None:
         raise HftkError(field, f"{where}, and its seal records no global batch to continue the data position from.",
                         f"resume with {saved} ranks.")
     if batch != global_batch:
-        micro = args.per_device_train_batch_size * world_size
+        micro = args.per_device_train_batch_size * readers
         keep = (f"--gradient_accumulation_steps {global_batch // micro} with --per_device_train_batch_size "
                 f"{args.per_device_train_batch_size}" if global_batch % micro == 0 else
-                f"per_device_train_batch_size x gradient_accumulation_steps x {world_size} ranks = {global_batch}")
+                f"per_device_train_batch_size x gradient_accumulation_steps x {readers} data-parallel ranks = "
+                f"{global_batch}")
         raise HftkError(field, f"{where}, and the global batch would be {batch} instead of {global_batch}: "
                         "the data position would not continue where it stopped.",
                         f"keep its global batch of {global_batch}: {keep}.")

@@ -144,8 +144,9 @@ def sealed_by(folder, world: int, global_batch: int | None):
     ("zero3", [], "zero3's per-rank checkpoint pieces"),
     ("pipeline", ["--pp_size", "2"], "pipeline's per-rank checkpoint pieces cannot be split or joined across ranks. "
                                      "Fix: resume with 2 ranks."),
-    ("tp", [], "tp's per-rank checkpoint pieces"),
-    ("sp", [], "sp's per-rank checkpoint pieces"),
+    ("tp", [], "the global batch would be 2 instead of 4: the data position would not continue "
+                               "where it stopped. Fix: keep its global batch of 4: --gradient_accumulation_steps 2"),
+    ("sp", [], "the global batch would be 2 instead of 4"),
     ("ddp", ["--grad_compression", "fp16"], "per-rank gradient compression state cannot be split"),
     ("ddp", [], "the global batch would be 2 instead of 4: the data position would not continue where it stopped. "
                 "Fix: keep its global batch of 4: --gradient_accumulation_steps 2 with --per_device_train_batch_size 2."),
@@ -177,6 +178,11 @@ def test_a_resume_at_another_world_size_with_the_global_batch_kept_passes(tmp_pa
         cfg = load_config([*TINY_ARGS, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
                            "--strategy", strategy, "--output_dir", str(tmp_path / "run")])
         check_world_change(cfg, folder, world_size=1)
+    for strategy, sizes in (("tp", ["--tp_size", "2", "--dp_shard_size", "-1"]),  # 2 data-parallel ranks x 2
+                            ("cp", ["--cp_size", "2", "--dp_replicate_size", "2"]), ("sp", ["--sp_size", "2"])):
+        cfg = load_config([*TINY_ARGS, "--per_device_train_batch_size", "2", "--strategy", strategy, *sizes,
+                           "--output_dir", str(tmp_path / "run")])
+        check_world_change(cfg, folder, world_size=4)
     cfg = load_config([*TINY_ARGS, "--strategy", "zero2", "--output_dir", str(tmp_path / "run")])
     check_world_change(cfg, folder, world_size=2)  # the same world size: nothing to check
 

@@ -406,7 +406,7 @@ def run(prepared: PreparedRun) -> dict[str, float]:
         if main and t.get("push_to_hub") else None
     step = 0
     resume = resolve_resume(cfg.output_dir, t.get("resume_from_checkpoint"))
-    announce_resume(cfg.output_dir, resume, publisher=main)
+    announce_resume(cfg.output_dir, resume, publisher=main, world_size=dist.get_world_size())
     if resume:
         step = mesh_checkpoint.load(Path(resume), layout, optimizer, scheduler)
     if main:  # what `hftk push checkpoint-N` writes the model card from

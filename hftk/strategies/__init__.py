@@ -17,6 +17,8 @@ Every strategy module answers the same questions with plain functions (no base c
 - optional ``RESHARDS_ON_RESUME = True``: its checkpoints resume at another world size (whole or
   DCP-resharded state; ``validate.check_world_change`` asks for the same global batch). Without it a
   resume at another world size is refused, with ``OTHER_WORLD_SIZE_FIX`` added to the fix when set.
+- optional ``data_parallel_size(cfg, world_size) -> int``: how many ranks read different samples
+  (default: every rank), which the global batch kept by such a resume is counted over.
 
 A strategy whose layout the HF Trainer cannot drive names its engine module under
 ``hftk.engine`` in ``ENGINE`` (default ``"trainer"``). Tensor, context and sequence parallel

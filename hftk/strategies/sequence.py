@@ -37,6 +37,12 @@ from hftk.support import check_family, check_lora
 
 ENGINE = "mesh_loop"
 ATTENTION = "sdpa"
+RESHARDS_ON_RESUME = True  # whole (replicated) tensors in DCP; the loop's data order depends on the global batch only
+
+
+def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
+    """How many ranks read different samples: the sp ranks of one group share a sequence."""
+    return world_size // cfg.strategy.sp_size
 
 
 def validate(cfg: RunConfig, world_size: int) -> None:

@@ -34,6 +34,13 @@ from hftk.support import check_lora
 
 ENGINE = "mesh_loop"
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+RESHARDS_ON_RESUME = True  # DCP reshards DTensors onto any mesh; the loop's data order depends on the global batch only
+
+
+def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
+    """How many ranks read different samples: the global batch is this times the per-rank batch."""
+    replicate, shard, _, _ = mesh_shape(cfg, world_size)
+    return replicate * shard
 
 
 def mesh_shape(cfg: RunConfig, world_size: int) -> tuple[int, int, int, int]:
