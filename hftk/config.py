@@ -24,8 +24,9 @@ from typing import Any
 import yaml
 
 from hftk.errors import HftkError
+from hftk.strategies import STRATEGIES as STRATEGY_TABLE
 
-STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "pipeline", "tp", "cp", "sp", "auto")
+STRATEGIES = (*STRATEGY_TABLE, "auto")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PACKINGS = ("auto", "concat", "bfd", "none")

@@ -46,10 +46,10 @@ from hftk.activations import profile, trace_key
 from hftk.errors import HftkError
 from hftk.plan_types import (DTYPE_BYTES, GIB, HEADROOM, MIB, RUNTIME_BYTES, ModelShape, PlanInputs,
                               StrategyPlan)
+from hftk.strategies import AUTO_ORDER
 from hftk.strategies.deepspeed import MAX_LIVE_PARAMETERS, SUB_GROUP_SIZE
 
-# Least sharding first: ``auto`` takes the first that fits.
-PLAN_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload")
+PLAN_STRATEGIES = AUTO_ORDER  # the analytic rows, least sharding first: ``auto`` takes the first that fits
 DEEPSPEED_RUNTIME_BYTES = {"cpu": 50 * MIB, "gpu": 0}
 QUANT_BLOCK = 64  # bitsandbytes' 4-bit block size (one absmax per block)
 DOUBLE_QUANT_BLOCK = 256  # absmaxes per second-level block under double quantization

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         prepared = prepare(argv)
     except HftkError as exc:
         return report(exc)
-    engine = getattr(strategies.get(prepared.cfg.strategy.strategy), "ENGINE", "trainer")
+    engine = strategies.spec(prepared.cfg.strategy.strategy).engine
     try:
         importlib.import_module(f"hftk.engine.{engine}").train(prepared)
     except HftkError as exc:

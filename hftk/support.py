@@ -1,8 +1,9 @@
 """What hftk supports: every strategy x model family x {full fine-tuning, LoRA}, plus a quantized
 (QLoRA) base per strategy, in one table.
 
-The strategies' validators take their LoRA refusals from here (:func:`check_lora`), the packing modes
-each strategy honours (:func:`check_packing`, :data:`PACKING_SUPPORT`); the README's
+What each strategy allows is a flag in the strategy table (:data:`hftk.strategies.STRATEGIES`); this
+module says why each refusal is one and raises it. The strategies' validators take their LoRA refusals
+from here (:func:`check_lora`), the packing modes each strategy honours (:func:`check_packing`); the README's
 support table is rendered from it (``python -m hftk.support README.md`` rewrites it;
 tests/test_support.py keeps the README equal), and tests/test_matrix.py runs every cell on 2 ranks and asserts each one trains
 and saves a loadable ``final/`` or is refused before launch exactly as :func:`expected` says.
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 
 from hftk.errors import HftkError
 from hftk.families import FAMILIES
-from hftk.strategies import MODULES
+from hftk.strategies import STRATEGIES as TABLE
 
-STRATEGIES = tuple(MODULES)
+STRATEGIES = tuple(TABLE)
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Refusal:
 
 
 # LoRA under layouts that shard the very layers LoRA wraps (DTensor rows / columns, Ulysses heads).
-_NO_LORA = ("tp", "cp", "sp")
+_NO_LORA = tuple(n for n, spec in TABLE.items() if not spec.lora)
 LORA_REFUSED = {
     strategy: Refusal("model.lora_r", f"LoRA is not supported with strategy {strategy}: its layout shards the "
                       "layers LoRA wraps.", f"use one of {', '.join(s for s in STRATEGIES if s not in _NO_LORA)} "
@@ -39,8 +40,9 @@ LORA_REFUSED = {
 # A bitsandbytes-quantized base (QLoRA: load_in_4bit / load_in_8bit) under the strategies shown to train
 # it with single-process parity (tests/test_qlora.py); the others are refused before launch, naming why.
 QUANT_FIELD = "model.load_in_4bit"
-QUANT_STRATEGIES = ("ddp", "fsdp")
-_QUANT_FIX = "use --strategy ddp or fsdp with load_in_4bit / load_in_8bit, or train LoRA on an unquantized base."
+QUANT_STRATEGIES = tuple(n for n, spec in TABLE.items() if spec.quantized_base)
+_QUANT_FIX = (f"use --strategy {' or '.join(QUANT_STRATEGIES)} with load_in_4bit / load_in_8bit, or train LoRA on an "
+              "unquantized base.")
 
 
 def _quant_refusal(where: str, why: str) -> Refusal:
@@ -84,10 +86,7 @@ DEFAULT_CONFIG_REFUSED = {
 # ids with transformers' create_causal_mask (as the model's own forward does), and tp hands the batch
 # to the model itself. Under pipeline, tp and sp 'none' pads to block_size (fixed shapes across stages
 # and ranks); cp's ring takes no padding mask.
-_ALL = ("concat", "bfd", "none")
-PACKING_SUPPORT = {**{s: _ALL for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "pipeline", "tp")},
-                   "sp": ("concat", "none"), "cp": ("concat",)}
-assert set(PACKING_SUPPORT) == set(STRATEGIES), "every strategy needs its packing modes here"
+PACKING_SUPPORT = {n: spec.packing for n, spec in TABLE.items()}
 # Why a strategy refuses bfd (measured / read in the libraries they run on).
 BFD_REFUSED = {
     "cp": "ring attention takes no padding mask and does not keep packed examples apart",
@@ -103,7 +102,8 @@ assert set(BFD_REFUSED) == {s for s, m in PACKING_SUPPORT.items() if "bfd" not i
 # Trainer's collator flattens bfd batches into that one row under flash attention; pipeline stages and
 # the mesh loop take fixed (rows x block_size) batches, so they keep bfd to sdpa and eager.
 BFD_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
-FIXED_SHAPE_BFD_ATTENTION = {"pipeline": ("sdpa", "eager"), "tp": ("sdpa", "eager")}
+FIXED_SHAPE_BFD_ATTENTION = {n: ("sdpa", "eager") for n, spec in TABLE.items()
+                             if spec.fixed_shape_batches and "bfd" in spec.packing}
 
 
 def packing_refusal(strategy: str, packing: str, attn_implementation: str | None) -> Refusal | None:

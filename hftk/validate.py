@@ -179,13 +179,15 @@ def check_training_arguments(training: dict[str, Any]) -> None:
 
 def _check_parallel_degrees(cfg: RunConfig) -> None:
     """A tensor/sequence/context-parallel degree only means something to the strategies that apply it."""
+    from hftk.strategies import STRATEGIES
+
     s = cfg.strategy
-    owners = {"tp_size": ("tp", "cp"), "dp_replicate_size": ("tp", "cp"), "cp_size": ("cp",), "sp_size": ("sp",),
-              "pp_size": ("pipeline",)}
-    for name, strategies in owners.items():
-        if getattr(s, name) != 1 and s.strategy not in strategies:
+    degrees = dict.fromkeys(option for spec in STRATEGIES.values() for option in spec.options)
+    for name in degrees:
+        owners = [n for n, spec in STRATEGIES.items() if name in spec.options]
+        if getattr(s, name) != 1 and s.strategy not in owners:
             raise HftkError(f"strategy.{name}", f"is {getattr(s, name)} but strategy {s.strategy} does not use it.",
-                            f"pass --strategy {' or '.join(strategies)}, or leave {name} at 1.")
+                            f"pass --strategy {' or '.join(owners)}, or leave {name} at 1.")
 
 
 def _check_output_dir(cfg: RunConfig) -> None:
@@ -212,8 +214,8 @@ def _check_output_dir(cfg: RunConfig) -> None:
 def check_world_change(cfg: RunConfig, folder: Path, world_size: int) -> None:
     """A resume at another world size than ``folder`` was saved with: exact, or refused in one line.
 
-    Strategies whose checkpoints hold whole or DCP-resharded state (``RESHARDS_ON_RESUME``: ddp,
-    fsdp, tp, cp, sp) continue exactly when the global batch is kept (the Trainer then skips the same samples);
+    Strategies whose checkpoints hold whole or DCP-resharded state (the table's ``reshards_on_resume``:
+    ddp, fsdp, tp, cp, sp) continue exactly when the global batch is kept (the Trainer then skips the same samples);
     every other format holds one piece per rank, which a resume would load in part: refused."""
     from hftk import strategies
     from hftk.checkpoint import saved_world
@@ -222,12 +224,11 @@ def check_world_change(cfg: RunConfig, folder: Path, world_size: int) -> None:
     if saved is None or saved == world_size:
         return
     field = "training.resume_from_checkpoint"
-    module = strategies.get(cfg.strategy.strategy)
+    module, reshards = strategies.get(cfg.strategy.strategy), strategies.spec(cfg.strategy.strategy).reshards_on_resume
     where = f"{folder} was saved by {saved} ranks; this launch has {world_size}"
-    if not getattr(module, "RESHARDS_ON_RESUME", False) or cfg.strategy.grad_compression != "none":
+    if not reshards or cfg.strategy.grad_compression != "none":
         own = getattr(module, "OTHER_WORLD_SIZE_FIX", "")
-        why = "per-rank gradient compression state" if getattr(module, "RESHARDS_ON_RESUME", False) \
-            else f"{cfg.strategy.strategy}'s per-rank checkpoint pieces"
+        why = "per-rank gradient compression state" if reshards else f"{cfg.strategy.strategy}'s per-rank checkpoint pieces"
         raise HftkError(field, f"{where}, and {why} cannot be split or joined across ranks.",
                         f"resume with {saved} ranks{own}.")
     args = cfg.args

@@ -18,10 +18,10 @@ def test_readme_support_table_is_the_rendered_one():
 
 def test_every_strategy_and_family_has_a_row_and_a_column():
     from hftk.families import FAMILIES
-    from hftk.strategies import MODULES
+    from hftk.strategies import STRATEGIES
 
     table = support.render_markdown()
-    assert [line.split(" | ")[0][2:] for line in table.splitlines()[2:2 + len(MODULES)]] == list(MODULES)
+    assert [line.split(" | ")[0][2:] for line in table.splitlines()[2:2 + len(STRATEGIES)]] == list(STRATEGIES)
     assert table.splitlines()[0].count("|") == len(FAMILIES) + 3  # + the quantized-base column
 
 

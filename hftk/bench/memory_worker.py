@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if prepared.cfg.args.max_steps < COUNTED_STEP:
             raise HftkError("training.max_steps", f"the probe counts optimizer step {COUNTED_STEP} (the first creates "
                             "the optimizer state).", f"pass --max_steps {COUNTED_STEP} or more.")
-        if getattr(strategies.get(prepared.cfg.strategy.strategy), "ENGINE", "trainer") == "mesh_loop":
+        if strategies.spec(prepared.cfg.strategy.strategy).engine == "mesh_loop":
             return mesh_memory(prepared, out)
         trainer, _, _ = build_trainer(prepared)
     except HftkError as exc:

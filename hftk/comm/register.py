@@ -22,6 +22,7 @@ from hftk.comm.hooks import HookState, average, cast_average, timed, topk_averag
 from hftk.comm.powersgd import powersgd_average
 from hftk.config import StrategyConfig
 from hftk.errors import HftkError
+from hftk.strategies import STRATEGIES
 
 HOOKS: dict[str, Callable[[HookState, Any], torch.futures.Future]] = {
     "allreduce": timed(average),
@@ -30,7 +31,6 @@ HOOKS: dict[str, Callable[[HookState, Any], torch.futures.Future]] = {
     "powersgd": timed(powersgd_average),
     "topk": timed(topk_average),
 }
-COMPRESSIBLE_STRATEGIES = ("ddp",)  # strategies whose gradients travel through a DDP reducer
 STATE_DIR = "hftk_comm"
 # hook -> (option, lowest valid value, an example) for its integer options
 INTEGER_OPTIONS = {
@@ -48,9 +48,10 @@ def validate(cfg: StrategyConfig, world_size: int, env: dict[str, str]) -> None:
     if not is_active(cfg):
         return
     option = "strategy.grad_compression" if cfg.grad_compression != "none" else "strategy.hierarchical_allreduce"
-    if cfg.strategy not in COMPRESSIBLE_STRATEGIES:
+    if not (cfg.strategy in STRATEGIES and STRATEGIES[cfg.strategy].grad_compression):
+        able = " or ".join(n for n, spec in STRATEGIES.items() if spec.grad_compression)
         raise HftkError(option, f"hooks into DDP's gradient all-reduce; strategy '{cfg.strategy}' has none.",
-                        "use --strategy ddp, or drop the compression options.")
+                        f"use --strategy {able}, or drop the compression options.")
     for name, low, example in INTEGER_OPTIONS.get(cfg.grad_compression, ()):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < low:

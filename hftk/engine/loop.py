@@ -85,7 +85,7 @@ class Run:
 
 
 def train(prepared: PreparedRun) -> dict[str, float]:
-    """Entry point for strategies whose ``ENGINE`` is this module; tears the process group down."""
+    """Entry point for strategies whose table ``engine`` is this module; tears the process group down."""
     metrics = run(prepared)
     # Torn down by us: gloo aborts when the interpreter exits with the group still alive.
     dist.barrier()

@@ -11,8 +11,6 @@ from torch.nn.parallel import DistributedDataParallel
 from hftk.config import RunConfig
 from hftk.errors import HftkError
 
-RESHARDS_ON_RESUME = True  # whole weights and optimizer state: a resume may use another world size
-
 
 def validate(cfg: RunConfig, world_size: int) -> None:
     """DDP runs at any world size (1 is plain training); FSDP-only options would be ignored."""

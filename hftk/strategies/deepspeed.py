@@ -28,13 +28,12 @@ from transformers import TrainerCallback
 
 from hftk.config import RunConfig
 from hftk.errors import HftkError
+from hftk.strategies import STRATEGIES
 
 # ZeRO keeps one optimizer partition per rank; DeepSpeed's own loader refuses another world size and
 # hftk does not load its universal checkpoints (ds_to_universal), so the way on is the weights alone.
 OTHER_WORLD_SIZE_FIX = (", or start a new run from its weights (`hftk export CHECKPOINT OUT`, then "
                         "--model_name_or_path OUT; the optimizer state starts afresh)")
-STAGES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
-OFFLOADED = ("zero3_offload",)
 
 # ZeRO-3 knobs that are not derived from the hidden size (see the field notes: with DeepSpeed's
 # defaults ZeRO-3 peaked above DDP on small models). Counts are elements, not bytes.
@@ -47,7 +46,7 @@ GLOBAL_STEP_RE = re.compile(r"^global_step\d+$")
 
 
 def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
-    """The DeepSpeed config dict of ``cfg.strategy.strategy`` (one of :data:`STAGES`).
+    """The DeepSpeed config dict of ``cfg.strategy.strategy`` (one with a ``zero_stage`` in the strategy table).
 
     A pure function of the typed config, with DeepSpeed's / the Trainer's ``"auto"`` wherever a
     value depends on the model or on ``TrainingArguments`` (the Trainer fills them in): that is
@@ -67,7 +66,7 @@ def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
       DeepSpeed's CPU Adam, so it names AdamW and DeepSpeed picks ``DeepSpeedCPUAdam``.
     """
     name = cfg.strategy.strategy
-    stage = STAGES[name]
+    stage = STRATEGIES[name].zero_stage
     zero: dict[str, Any] = {
         "stage": stage,
         "overlap_comm": False,
@@ -95,7 +94,7 @@ def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
     }
-    if name in OFFLOADED:
+    if STRATEGIES[name].offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         config["optimizer"] = {"type": "AdamW",
@@ -129,10 +128,10 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise HftkError("training.accelerator_config", f"{name} adds to it, so it must be given inline.",
                         "write accelerator_config as a mapping in the run YAML.")
     optim = str(cfg.args.optim)
-    if name in OFFLOADED and not optim.startswith("adamw"):
+    if STRATEGIES[name].offload and not optim.startswith("adamw"):
         raise HftkError("training.optim", f"{name} steps the optimizer on the CPU with DeepSpeed's CPU AdamW, "
                         f"not {optim}.", "drop --optim, or use --strategy zero3 to keep your optimizer.")
-    missing = missing_cpu_adam_tools() if name in OFFLOADED else []
+    missing = missing_cpu_adam_tools() if STRATEGIES[name].offload else []
     if missing:
         raise HftkError("strategy.strategy", f"{name} steps the optimizer with DeepSpeed's CPU Adam, built on first use; "
                         f"this machine lacks {'; '.join(missing)}.", "install them (or use --strategy zero3).")
@@ -211,7 +210,7 @@ def _start_cpu_state(timeout_s: int) -> None:
 
 def prepare_model(model: Any, cfg: RunConfig) -> Any:
     """Nothing to apply (the Trainer wraps the engine); ZeRO-3 must have been partitioned at load."""
-    if STAGES[cfg.strategy.strategy] == 3 and not all(hasattr(p, "ds_id") for p in model.parameters()):
+    if STRATEGIES[cfg.strategy.strategy].zero_stage == 3 and not all(hasattr(p, "ds_id") for p in model.parameters()):
         raise HftkError(
             "strategy.strategy", f"{cfg.strategy.strategy}: the model was loaded whole, not partitioned by zero.Init, "
             "so every rank would first hold all of it.",

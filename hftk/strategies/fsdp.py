@@ -35,7 +35,6 @@ from hftk.layout import decoder_block_class
 # A 4-bit base stores its packed bytes as compute-dtype elements (modeling.quantization_config), so every
 # parameter FSDP2 shards is floating point (torch's fully_shard cannot shard bitsandbytes' uint8 default).
 SHARDS_PARAMETERS = True
-RESHARDS_ON_RESUME = True  # DCP shards (or whole files) are resharded for the loading world size
 SHARDED_MODEL_DIR = "fsdp_model"  # DCP checkpoint of the model (fsdp_state_dict=sharded)
 SHARDED_OPTIMIZER_DIR = "fsdp_optimizer"  # DCP checkpoint of the optimizer (fsdp_state_dict=sharded)
 FULL_OPTIMIZER_FILE = "fsdp_optimizer_full.pt"  # whole optimizer state by parameter name (fsdp_state_dict=full)

@@ -14,7 +14,7 @@ the update equals the single-process one. Every loss is divided by the token cou
 whole optimizer step (all micro-batches, accumulation steps and replicas), as the Trainer
 does with ``num_items_in_batch``; gradients are therefore summed, never averaged.
 
-The Trainer cannot drive a pipeline: ``ENGINE`` names the loop that does
+The Trainer cannot drive a pipeline: the strategy table names the loop that does
 (:mod:`hftk.engine.loop`). Checkpoints hold one safetensors file per stage under the
 full model's parameter names (``stage-NN.safetensors``), one optimizer state per pipeline
 rank, and ``pipeline.json``; :func:`pipeline_state_dict` merges them for the export.
@@ -38,7 +38,6 @@ from hftk.errors import HftkError
 from hftk.families import FAMILIES, supported_families
 from hftk.layout import DecoderLayout, layout
 
-ENGINE = "loop"  # hftk.engine.loop
 MANIFEST = "pipeline.json"
 STAGE_FILE = "stage-{:02d}.safetensors"
 OPTIMIZER_FILE = "optimizer-pp{:02d}.pt"

@@ -35,9 +35,7 @@ from hftk.config import RunConfig
 from hftk.errors import HftkError
 from hftk.support import check_family, check_lora
 
-ENGINE = "mesh_loop"
 ATTENTION = "sdpa"
-RESHARDS_ON_RESUME = True  # whole (replicated) tensors in DCP; the loop's data order depends on the global batch only
 
 
 def data_parallel_size(cfg: RunConfig, world_size: int) -> int:

@@ -32,9 +32,7 @@ from hftk.config import RunConfig
 from hftk.errors import HftkError
 from hftk.support import check_lora
 
-ENGINE = "mesh_loop"
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
-RESHARDS_ON_RESUME = True  # DCP reshards DTensors onto any mesh; the loop's data order depends on the global batch only
 
 
 def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
