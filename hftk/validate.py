@@ -219,6 +219,7 @@ def check_world_change(cfg: RunConfig, folder: Path, world_size: int) -> None:
     every other format holds one piece per rank, which a resume would load in part: refused."""
     from hftk import strategies
     from hftk.checkpoint import saved_world
+    from hftk.parallel_dims import parallel_dims
 
     saved, global_batch = saved_world(folder)
     if saved is None or saved == world_size:
@@ -232,7 +233,7 @@ def check_world_change(cfg: RunConfig, folder: Path, world_size: int) -> None:
         raise HftkError(field, f"{where}, and {why} cannot be split or joined across ranks.",
                         f"resume with {saved} ranks{own}.")
     args = cfg.args
-    readers = getattr(module, "data_parallel_size", lambda _cfg, world: world)(cfg, world_size)
+    readers = parallel_dims(cfg.strategy, world_size).data_parallel
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * readers
     if global_batch is None:
         raise HftkError(field, f"{where}, and its seal records no global batch to continue the data position from.",

@@ -97,13 +97,13 @@ def finetune(nproc: int, args: list[str], timeout: float = 300, env: dict[str, s
 
 
 def engine_of(args: list[str]) -> str:
-    """The hftk engine module a run with ``args`` trains with (``strategies.<s>.ENGINE``)."""
+    """The hftk engine module a run with ``args`` trains with (the strategy table's ``engine``)."""
     from hftk import strategies
 
     strategy = args[args.index("--strategy") + 1] if "--strategy" in args else "ddp"
     if strategy == "auto":  # the plan picks among the Trainer's strategies (hftk.plan.PLAN_STRATEGIES)
         return "trainer"
-    return getattr(strategies.get(strategy), "ENGINE", "trainer")
+    return strategies.spec(strategy).engine
 
 
 def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout: float | None = None,

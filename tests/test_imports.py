@@ -103,7 +103,9 @@ def test_strategies_never_import_the_engine():
 
 
 def test_the_tables_everything_reads_are_leaves():
-    """The model-family table, the plan types, the agent store and the error type import nothing above them."""
+    """The model-family and strategy tables, the parallel dimensions, the plan types, the agent store and the
+    error type import nothing above them."""
     graph = import_graph()
     assert graph["hftk.families"] == graph["hftk.agent_store"] == graph["hftk.activations"] == set()
     assert graph["hftk.errors"] == {"hftk.agent_store"} and graph["hftk.plan_types"] == {"hftk.activations"}
+    assert graph["hftk.parallel_dims"] == {"hftk.errors"} and graph["hftk.strategies"] == {"hftk.errors"}

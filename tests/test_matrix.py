@@ -66,7 +66,7 @@ def engine_of(strategy: str) -> str:
     run in the same process group hung; runs of one engine share a launch safely)."""
     from hftk import strategies
 
-    return getattr(strategies.get(strategy), "ENGINE", "trainer")
+    return strategies.spec(strategy).engine
 
 
 def cell_argv(strategy: str, model: Path, lora: bool, out: Path) -> list[str]:

@@ -18,7 +18,7 @@ from tests.helpers import TINY_ARGS
 
 ENGINE_HOOKS = {  # what each engine calls on a strategy module
     "trainer": ("validate", "training_arguments", "prepare_model", "verify", "save_final"),
-    "mesh_loop": ("validate", "layout", "data_parallel_size"),
+    "mesh_loop": ("validate", "layout"),
     "loop": ("validate",),
 }
 

@@ -24,9 +24,9 @@ A strategy driven by the HF Trainer (``engine == "trainer"``) also answers:
   ``transformers.Trainer`` when the strategy owns model/optimizer I/O (FSDP2's DTensor shards).
 
 The mesh loop's strategies (``engine == "mesh_loop"``: tp, cp, sp) answer
-``layout(model, cfg, device_type) -> MeshLayout`` (see :mod:`hftk.strategies.mesh`) and
-``data_parallel_size(cfg, world_size)`` instead of the Trainer hooks; the pipeline
-(``engine == "loop"``, :mod:`hftk.engine.loop`) builds its stages in its module.
+``layout(model, cfg, device_type) -> MeshLayout`` (see :mod:`hftk.strategies.mesh`) instead of the
+Trainer hooks; the pipeline (``engine == "loop"``, :mod:`hftk.engine.loop`) builds its stages in its
+module. Every strategy takes its degrees and meshes from :mod:`hftk.parallel_dims`.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from hftk.config import RunConfig, StrategyConfig
 from hftk.errors import HftkError
 from hftk.families import FAMILIES, supported_families
 from hftk.layout import DecoderLayout, layout
+from hftk.parallel_dims import ParallelDims, parallel_dims
 
 MANIFEST = "pipeline.json"
 STAGE_FILE = "stage-{:02d}.safetensors"
@@ -56,12 +57,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     from hftk.modeling import load_model_config
 
     s = cfg.strategy
-    if s.pp_size < 2:
-        raise HftkError("strategy.pp_size", f"pipeline needs at least 2 stages, got {s.pp_size}.",
-                        "set --pp_size 2 or more (or use --strategy ddp for one stage).")
-    if world_size % s.pp_size:
-        raise HftkError("strategy.pp_size", f"the world size {world_size} is not a multiple of pp_size {s.pp_size}.",
-                        f"launch a multiple of {s.pp_size} processes (pp_size x data-parallel replicas).")
+    parallel_dims(s, world_size)
     _refuse_combinations(cfg)
     batch = cfg.args.per_device_train_batch_size
     m = s.pp_microbatches
@@ -308,21 +304,19 @@ class Topology:
 
 def topology(pp_size: int, device: torch.device) -> Topology:
     """Build the mesh and groups (every rank must call this, in the same order)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size()
-    dp_size = world // pp_size
+    dims = ParallelDims(dp_replicate=dist.get_world_size() // pp_size, pp=pp_size)
+    dp_size = dims.dp_replicate
     if device.type == "cpu":
         device = torch.device("cpu")  # accelerate says "cpu:0", which torch.load and safetensors refuse
-    mesh = init_device_mesh(device.type, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
+    mesh = dims.mesh(device.type, ("dp_replicate", "pp"))
     tie_group = None
     for replica in range(dp_size):  # new_group is collective: every rank creates every pair
         pair = [replica * pp_size, replica * pp_size + pp_size - 1]
         group = dist.new_group(pair)
         if dist.get_rank() in pair:
             tie_group = group
-    return Topology(pp_rank=mesh.get_local_rank("pp"), pp_size=pp_size, dp_rank=mesh.get_local_rank("dp"),
-                    dp_size=dp_size, pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"),
+    return Topology(pp_rank=mesh.get_local_rank("pp"), pp_size=pp_size, dp_rank=mesh.get_local_rank("dp_replicate"),
+                    dp_size=dp_size, pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp_replicate"),
                     tie_group=tie_group, device=device)
 
 

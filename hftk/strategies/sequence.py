@@ -33,14 +33,10 @@ import torch
 from hftk.comm.collectives import BUCKET_BYTES, all_reduce_flat
 from hftk.config import RunConfig
 from hftk.errors import HftkError
+from hftk.parallel_dims import parallel_dims
 from hftk.support import check_family, check_lora
 
 ATTENTION = "sdpa"
-
-
-def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
-    """How many ranks read different samples: the sp ranks of one group share a sequence."""
-    return world_size // cfg.strategy.sp_size
 
 
 def validate(cfg: RunConfig, world_size: int) -> None:
@@ -49,9 +45,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     from hftk.strategies.mesh import check_training_options
 
     s = cfg.strategy
-    if s.sp_size < 1 or world_size % s.sp_size:
-        raise HftkError("strategy.sp_size", f"{s.sp_size} does not divide the world size {world_size}.",
-                        "choose an sp_size that divides the number of processes (the rest is data parallel).")
+    parallel_dims(s, world_size)
     for name in ("tp_size", "dp_shard_size", "dp_replicate_size"):
         if getattr(s, name) != 1:
             raise HftkError(f"strategy.{name}", "does not compose with strategy sp in hftk.",
@@ -120,12 +114,10 @@ def sequence_slice(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict
 def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     """Build the ``(dp, sp)`` mesh, register Ulysses, and say how the loop feeds and combines the ranks."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     from hftk.strategies.mesh import MeshLayout
 
     sp = cfg.strategy.sp_size
-    mesh = init_device_mesh(device_type, (dist.get_world_size() // sp, sp), mesh_dim_names=("dp", "sp"))
+    mesh = parallel_dims(cfg.strategy, dist.get_world_size()).mesh(device_type, ("dp_replicate", "sp"))
     sp_rank = mesh["sp"].get_local_rank()
     if sp > 1:
         register_ulysses(model, mesh["sp"].get_group())
@@ -133,11 +125,11 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     world = dist.group.WORLD
     return MeshLayout(
         model=model,
-        data_rank=mesh["dp"].get_local_rank(),
-        data_size=mesh["dp"].size(),
+        data_rank=mesh["dp_replicate"].get_local_rank(),
+        data_size=mesh["dp_replicate"].size(),
         data_groups=[world],  # every rank reads different tokens
         grad_scale=1.0,  # gradients are summed over all ranks, not averaged
-        describe={"strategy": "sp", "sp_size": sp, "dp_size": mesh["dp"].size(), "family": model.config.model_type,
+        describe={"strategy": "sp", "sp_size": sp, "dp_size": mesh["dp_replicate"].size(), "family": model.config.model_type,
                   "attention": ATTENTION},
         shard_batch=lambda batch: sequence_slice(batch, sp_rank, sp),
         reduce_grads=lambda: (all_reduce_flat([p.grad for p in model.parameters() if p.grad is not None], world)

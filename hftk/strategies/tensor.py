@@ -25,47 +25,12 @@ process is the plain model: the single-process reference the tests compare with.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any
 
 from hftk.config import RunConfig
 from hftk.errors import HftkError
+from hftk.parallel_dims import MESH_LOOP_DIMS, parallel_dims
 from hftk.support import check_lora
-
-DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
-
-
-def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
-    """How many ranks read different samples: the global batch is this times the per-rank batch."""
-    replicate, shard, _, _ = mesh_shape(cfg, world_size)
-    return replicate * shard
-
-
-def mesh_shape(cfg: RunConfig, world_size: int) -> tuple[int, int, int, int]:
-    """``(dp_replicate, dp_shard, cp, tp)``; ``dp_shard_size -1`` takes whatever the others leave."""
-    s = cfg.strategy
-    for name in ("tp_size", "cp_size", "dp_replicate_size"):
-        if getattr(s, name) < 1:
-            raise HftkError(f"strategy.{name}", f"must be 1 or more, got {getattr(s, name)}.",
-                            f"set strategy.{name} to 1 or more.")
-    if s.dp_shard_size == 0 or s.dp_shard_size < -1:
-        raise HftkError("strategy.dp_shard_size", f"must be -1 or 1 or more, got {s.dp_shard_size}.",
-                        "use -1 (the rest of the world) or a positive degree.")
-    field = "strategy.cp_size" if s.strategy == "cp" else "strategy.tp_size"
-    shard = s.dp_shard_size
-    if shard == -1:
-        rest = s.tp_size * s.cp_size * s.dp_replicate_size
-        if world_size % rest:
-            raise HftkError(field, f"tp_size {s.tp_size} x cp_size {s.cp_size} x dp_replicate_size "
-                            f"{s.dp_replicate_size} does not divide the world size {world_size}.",
-                            "choose sizes whose product divides the world size.")
-        shard = world_size // rest
-    shape = (s.dp_replicate_size, shard, s.cp_size, s.tp_size)
-    if math.prod(shape) != world_size:
-        raise HftkError(field, f"dp_replicate_size {shape[0]} x dp_shard_size {shape[1]} x cp_size {shape[2]} x "
-                        f"tp_size {shape[3]} = {math.prod(shape)} ranks, but the world size is {world_size}.",
-                        f"make them multiply to {world_size} (dp_shard_size -1 fills in the rest).")
-    return shape
 
 
 def validate(cfg: RunConfig, world_size: int) -> None:
@@ -86,7 +51,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise HftkError("strategy.fsdp_cpu_offload", f"is not supported with strategy {s.strategy}.",
                         "drop it, or use strategy fsdp / zero3_offload for offloading.")
     check_lora(s.strategy, cfg.model.lora_r)  # under auto, LoRA must rule tp / cp out
-    _, _, cp, tp = mesh_shape(cfg, world_size)
+    dims = parallel_dims(s, world_size)
+    cp, tp = dims.cp, dims.tp
     check_training_options(cfg, s.strategy)
     model_config = load_model_config(cfg.model)
     if tp > 1:
@@ -109,20 +75,20 @@ def shard_data_parallel(model: Any, mesh: Any, reshard_after_forward: bool) -> N
 def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     """Build the mesh, shard ``model`` on it, and say how the loop feeds and combines it."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
     from hftk.strategies import context
     from hftk.strategies.mesh import MeshLayout
     from hftk.strategies.tp_plans import apply_tensor_parallel
 
-    replicate, shard, cp, tp = mesh_shape(cfg, dist.get_world_size())
-    mesh = init_device_mesh(device_type, (replicate, shard, cp, tp), mesh_dim_names=DIMS)
+    dims = parallel_dims(cfg.strategy, dist.get_world_size())
+    replicate, shard, cp, tp = dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp
+    mesh = dims.mesh(device_type, MESH_LOOP_DIMS)
     if tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if cp > 1:
         context.use_ring_attention(model)
-    data_size = replicate * shard
+    data_size = dims.data_parallel
     if data_size * cp > 1:
         shard_data_parallel(model, mesh, cfg.strategy.fsdp_reshard_after_forward)
     cp_rank = mesh["cp"].get_local_rank()

@@ -53,7 +53,7 @@ def run_cell(argv: list[str], env: dict[str, str] | None = None, memory_out: str
 
             measure(build_trainer(prepared)[0], prepared.cfg.strategy.strategy, Path(memory_out))
             return
-        engine = getattr(strategies.get(prepared.cfg.strategy.strategy), "ENGINE", "trainer")
+        engine = strategies.spec(prepared.cfg.strategy.strategy).engine
         importlib.import_module(f"hftk.engine.{engine}").run(prepared)
     finally:
         os.environ.clear()
