@@ -17,6 +17,7 @@ whole (``final``) is written through :func:`staged_folder`.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import random
@@ -347,6 +348,44 @@ def staged_folder(final: Path, publisher: bool, step: int | None = None,
     _barrier()  # nobody moves on before the folder is in place
 
 
+_held_failures: list[BaseException] | None = None  # while a save runs: this rank's write failures, held
+
+
+def held_until_settled(write: Callable[..., Any]) -> Callable[..., Any]:
+    """``write`` (one rank's file write inside a library's save), whose failure during a save is held
+    until the save settles instead of raised at once.
+
+    A library's save puts collectives after its rank-local writes (DeepSpeed's barriers after each
+    rank's partition file; FSDP's gathers after rank 0's model file). A rank leaving at its failed
+    write would leave the others in that collective for the whole process-group timeout; holding the
+    failure keeps every rank on the same collectives to :func:`settle_write`, which reports it."""
+
+    @functools.wraps(write)
+    def hold(*args: Any, **kwargs: Any) -> Any:
+        if _held_failures is None:
+            return write(*args, **kwargs)
+        try:
+            return write(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 -- every failed write is settled, named or raised, there
+            _held_failures.append(exc)
+            return None
+
+    return hold
+
+
+@contextmanager
+def holding_write_failures() -> Iterator[None]:
+    """Hold failures of :func:`held_until_settled` writes for the body; raise the first one at its end."""
+    global _held_failures
+    _held_failures = []
+    try:
+        yield
+        if _held_failures:
+            raise _held_failures[0]
+    finally:
+        _held_failures = None
+
+
 SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file size limit
 
 
@@ -463,8 +502,9 @@ def atomic_save(output_dir: Path, step: int, write: Callable[[Path], None], save
 def install_atomic_checkpoints(trainer: Any, after_publish: Callable[[Path], None] | None = None) -> None:
     """Make every checkpoint of this Trainer atomic; ``after_publish(folder)`` runs on the publisher.
 
-    Two instance-level hooks, no subclass (strategies may bring their own Trainer class):
-    ``_save_checkpoint`` runs with ``args.output_dir`` pointing at the staging root, and
+    Instance-level hooks, no subclass (strategies may bring their own Trainer class):
+    ``_save_checkpoint`` runs with ``args.output_dir`` pointing at the staging root (write failures
+    held to its end, :func:`held_until_settled`; ``_save``, rank 0's model file, is one), and
     ``callback_handler.on_save`` publishes once every ``on_save`` callback has written its files.
     The Trainer's own rotation sees only the staging folder; :func:`rotate` applies
     ``save_total_limit`` to complete checkpoints, and only after the new one is in place.
@@ -483,7 +523,8 @@ def install_atomic_checkpoints(trainer: Any, after_publish: Callable[[Path], Non
         trainer.args.output_dir = str(staging_root(output_dir))
         try:
             try:
-                save_checkpoint(model, trial)
+                with holding_write_failures():
+                    save_checkpoint(model, trial)
             except BaseException as exc:  # settled collectively: no rank may be left waiting in a barrier
                 settle_write(output_dir / staged.name, staged, _write_error(exc), trainer.args.should_save)
             settle_write(output_dir / staged.name, staged, None, trainer.args.should_save)
@@ -503,6 +544,7 @@ def install_atomic_checkpoints(trainer: Any, after_publish: Callable[[Path], Non
         return control
 
     trainer._save_checkpoint = staged_save_checkpoint
+    trainer._save = held_until_settled(trainer._save)  # rank 0's model file, before the optimizer's collectives
     trainer.callback_handler.on_save = on_save_then_publish
 
 

@@ -48,10 +48,13 @@ def assert_stopped_by_a_full_disk(result, out) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["trainer", "loop", "mesh_loop"])
+@pytest.mark.parametrize("engine", ["trainer", "zero2", "fsdp", "loop", "mesh_loop"])
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_stops_with_one_line(engine, tmp_path):
+    """zero2 and fsdp: rank 0's model file fails before the optimizer save's collectives (DeepSpeed's
+    barrier, FSDP's gather); without held write failures rank 1 waited there for the process-group timeout."""
     out = tmp_path / "run"
-    extra = {"trainer": [], "loop": PIPELINE, "mesh_loop": TP}[engine]
+    extra = {"trainer": [], "zero2": ["--strategy", "zero2"], "fsdp": ["--strategy", "fsdp"], "loop": PIPELINE,
+             "mesh_loop": TP}[engine]
     full = torchrun(2, WORKERS / "fill_disk.py", [*TINY_ARGS, *DISK_ARGS, *extra, "--output_dir", str(out)],
                     timeout=400, env={"HFTK_FULL_AFTER_STEP": "5", "HFTK_FULL_BYTES": str(FULL_BYTES)})
     assert_stopped_by_a_full_disk(full, out)
@@ -218,3 +221,23 @@ def test_the_world_size_check_runs_before_any_process_group(tmp_path, monkeypatc
                  "--resume_from_checkpoint", "latest"])
     assert not dist.is_initialized()
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-5"]
+
+
+def test_a_write_failure_inside_a_save_is_held_until_the_save_ends():
+    """The writes after a failed one still run (a library's collectives between them stay matched)."""
+    from hftk.checkpoint import held_until_settled, holding_write_failures
+
+    done = []
+
+    @held_until_settled
+    def write(name: str) -> None:
+        if name == "model":
+            raise OSError(28, "No space left on device")
+        done.append(name)
+
+    with pytest.raises(OSError, match="No space left"), holding_write_failures():
+        write("model")
+        write("optimizer")  # reached: the failure is held
+    assert done == ["optimizer"]
+    with pytest.raises(OSError, match="No space left"):
+        write("model")  # outside a save it raises at once

@@ -250,17 +250,24 @@ def _check_partitioned(model: Any, ranks: int) -> None:
 
 
 def callbacks(trainer: Any) -> list[Any]:
-    """Trainer callbacks this strategy needs: sharing ZeRO-3's fp32 master with the parameters."""
-    return [SharedMasterCallback(trainer)]
+    """Trainer callbacks this strategy needs: sharing ZeRO-3's fp32 master with the parameters, and
+    saves that settle a failed write collectively."""
+    return [DeepSpeedCallback(trainer)]
 
 
-class SharedMasterCallback(TrainerCallback):
-    """At train begin (engine built, checkpoint loaded, no step yet), see :func:`share_fp32_master`."""
+class DeepSpeedCallback(TrainerCallback):
+    """At train begin (engine built, checkpoint loaded, no step yet), see :func:`share_fp32_master`;
+    and every rank's checkpoint file written through :func:`hftk.checkpoint.held_until_settled`, since
+    DeepSpeed's ``save_checkpoint`` ends in a barrier that a rank leaving at its failed write would skip."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from hftk.checkpoint import held_until_settled
+
+        writer = self.trainer.model_wrapped.checkpoint_engine
+        writer.save = held_until_settled(writer.save)
         freed = share_fp32_master(self.trainer.model_wrapped.optimizer)
         if freed and state.is_world_process_zero:
             print(f"hftk: ZeRO-3 steps the fp32 parameter partition itself, no fp32 master copy "

@@ -205,17 +205,23 @@ def save_full_model(trainer: Any, out_dir: Path, original_format: bool = True) -
     ``original_format=False`` keeps the model's own parameter names (no transformers rename back
     to a family's original checkpoint names), so a resume loads the file as it is.
     """
-    state = full_model_state_dict(trainer.model)
-    if trainer.args.should_save:
-        from hftk.hf_folder import check_complete, shapes_of
+    from hftk.checkpoint import held_until_settled
 
-        out_dir.mkdir(parents=True, exist_ok=True)
-        trainer.model.save_pretrained(out_dir, state_dict=state, is_main_process=True,
-                                      save_original_format=original_format)
-        if trainer.processing_class is not None:
-            trainer.processing_class.save_pretrained(out_dir)
-        check_complete(out_dir, shapes_of(trainer.model))
+    state = full_model_state_dict(trainer.model)
+    if trainer.args.should_save:  # held in a checkpoint save: the others wait in the barrier below
+        held_until_settled(_write_full_folder)(trainer, out_dir, state, original_format)
     dist.barrier()
+
+
+def _write_full_folder(trainer: Any, out_dir: Path, state: dict[str, torch.Tensor], original_format: bool) -> None:
+    from hftk.hf_folder import check_complete, shapes_of
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trainer.model.save_pretrained(out_dir, state_dict=state, is_main_process=True,
+                                  save_original_format=original_format)
+    if trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(out_dir)
+    check_complete(out_dir, shapes_of(trainer.model))
 
 
 def save_sharded_model(trainer: Any, out_dir: Path) -> None:
