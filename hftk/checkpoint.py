@@ -407,15 +407,12 @@ def settle_write(final: Path, staged: Path, error: BaseException | None, publish
     and every rank raises: the one-line :class:`HftkError` when a write ran out of room (disk full,
     quota, ``RLIMIT_FSIZE``), naming the folder and the bytes it needs; otherwise the error itself.
     """
-    import torch.distributed as dist
+    from hftk.comm.collectives import gather_objects
 
     from hftk.errors import HftkError
 
     mine = None if error is None else (_out_of_room(final, staged, error), f"{type(error).__name__}: {error}")
-    reports = [mine]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        reports = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, mine)
+    reports = gather_objects(mine)
     failures = [r for r in reports if r is not None]
     if not failures:
         return

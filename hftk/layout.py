@@ -8,7 +8,6 @@ place that knows each family's attribute names, so model code stays untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch.nn as nn
 

@@ -248,8 +248,9 @@ def gather_pieces(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return dict(local)
-    pieces: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(pieces, {k: v.to("cpu") for k, v in local.items()})
+    from hftk.comm.collectives import gather_objects
+
+    pieces = gather_objects({k: v.to("cpu") for k, v in local.items()})
     merged: dict[str, torch.Tensor] = {}
     for piece in pieces:
         merged.update(piece)

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
 
+from hftk.comm.collectives import gather_objects
 from hftk.monitor import append_jsonl
 
 
@@ -192,10 +192,7 @@ class ModelStateCallback(TrainerCallback):
             return
         self.done = True
         local, full = parameter_elements(model)
-        mine = {**model_state_bytes(model, optimizer), "param_elements": local, "param_elements_full": full}
-        rows = [mine]
-        if dist.is_available() and dist.is_initialized():
-            rows = [None] * dist.get_world_size()
-            dist.all_gather_object(rows, mine)
+        rows = gather_objects({**model_state_bytes(model, optimizer), "param_elements": local,
+                               "param_elements_full": full})
         if state.is_world_process_zero:
             append_jsonl(self.metrics_path, {"step": state.global_step + 1, "model_state": rows})

@@ -102,15 +102,11 @@ class SyncCheckCallback(TrainerCallback):
         self.metrics_path = metrics_path
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        import torch.distributed as dist
+        from hftk.comm.collectives import gather_objects
 
         if state.global_step % self.every:
             return
-        digest = parameter_digest(model)
-        digests = [digest]
-        if dist.is_initialized():
-            digests = [None] * dist.get_world_size()
-            dist.all_gather_object(digests, digest)
+        digests = gather_objects(parameter_digest(model))
         if state.is_world_process_zero:
             append_jsonl(self.metrics_path, {"step": state.global_step, "ranks_in_sync": len(set(digests)) == 1,
                                              "param_digests": digests})

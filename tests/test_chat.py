@@ -3,7 +3,6 @@ truncation that never keeps a turn without its end token, formats converted, sev
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

@@ -13,7 +13,6 @@ Runs, shared by the module fixture (tiny tied GPT-2, fp32, clipping at 1.0 every
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path

@@ -11,7 +11,6 @@ import pytest
 
 from hftk import allocator
 from hftk.builtin import builtin_model_config
-from hftk.errors import HftkError
 from hftk.plan import GIB, HEADROOM, MIB, PLAN_STRATEGIES, PlanInputs, estimate, model_shape, pick, plan, resolve_auto
 from tests.helpers import FINETUNE, ROOT, TINY_ARGS, finetune_cells, free_port, metrics, run, torchrun
 

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hftk.builtin import CORPUS
 from hftk.comm.accounting import log_fields
+from hftk.comm.collectives import gather_objects
 from hftk.comm.register import register_compression
 from hftk.config import ModelConfig, StrategyConfig
 from hftk.modeling import load_model, load_tokenizer
@@ -94,8 +95,7 @@ def train_step(replica: Replica, batch: torch.Tensor, max_grad_norm: float, chec
     if stats.arrival_timed:  # NCCL's intervals time enqueueing: no exposed-communication figure from them
         record["exposed_comm_s"] = exposed + counters["comm_wait_s"]
     if check_sync:
-        digests: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, parameter_digest(replica.ddp.module))
+        digests = gather_objects(parameter_digest(replica.ddp.module))
         record["in_sync"] = len(set(digests)) == 1
     replica.records.append(record)
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from hftk.comm.collectives import gather_objects
 from hftk.memory import model_state_bytes
 from hftk.telemetry import peak_memory_bytes, reset_peak_memory
 
@@ -82,14 +83,6 @@ class MemoryProbe(TrainerCallback):
                 "lifetime_peak": self.lifetime_peak}
 
 
-def gather(record: dict[str, int]) -> list[dict[str, int]]:
-    """Every rank's record, on every rank."""
-    if not dist.is_initialized():
-        return [record]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, record)
-    return out
-
 
 def main(argv: list[str] | None = None) -> int:
     from hftk import strategies
@@ -124,7 +117,7 @@ def measure(trainer: Any, strategy: str, out: Path) -> None:
     probe = MemoryProbe(trainer)
     trainer.add_callback(probe)
     trainer.train()
-    ranks = gather(probe.result())
+    ranks = gather_objects(probe.result())
     if trainer.args.process_index == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"strategy": strategy, "world_size": len(ranks),

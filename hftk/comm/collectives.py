@@ -72,3 +72,13 @@ class FlatComm:
     def _done(self, interval: list[float], result: torch.Tensor) -> torch.Tensor:
         self.stats.completed(interval)
         return result
+
+
+def gather_objects(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value`` (any picklable object), in rank order, on every rank; ``[value]`` when
+    no process group is up."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hftk.comm.accounting import CommStats
-from hftk.comm.collectives import completed_future
+from hftk.comm.collectives import completed_future, gather_objects
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,7 @@ class Topology:
 def discover_topology() -> Topology:
     """Every rank's node from ``GROUP_RANK``; nodes must be the same size (all-gather needs it)."""
     node_id = int(os.environ["GROUP_RANK"])
-    ids: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(ids, node_id)
+    ids = gather_objects(node_id)
     nodes = tuple(tuple(r for r, n in enumerate(ids) if n == node) for node in sorted(set(ids)))
     sizes = {len(node) for node in nodes}
     if len(sizes) != 1:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from hftk import lora, strategies
 from hftk.checkpoint import (announce_resume, atomic_save, load_rng, resolve_resume, save_rng, staged_folder,
                              staging_root)
+from hftk.comm.collectives import gather_objects
 from hftk.data import announce_eval, collator
 from hftk.engine.guard import check_world
 from hftk.engine.trainer import FINAL_DIR, build_training_arguments, load_data
@@ -479,9 +480,7 @@ def _evaluate_unless_preempted(run: Run, pipeline: Any) -> dict[str, float]:
 
 def _check_replicas(run: Run) -> None:
     """Replicas of each stage must hold bitwise-equal weights; logged as ``ranks_in_sync``."""
-    digest = parameter_digest(torch.nn.ModuleList(run.rt.stages))
-    digests: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, (run.rt.topo.pp_rank, digest))
+    digests = gather_objects((run.rt.topo.pp_rank, parameter_digest(torch.nn.ModuleList(run.rt.stages))))
     if run.rank == 0:
         by_stage: dict[int, set[str]] = {}
         for pp_rank, d in digests:

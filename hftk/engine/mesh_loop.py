@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from hftk import strategies
 from hftk.checkpoint import announce_resume, resolve_resume
+from hftk.comm.collectives import gather_objects
 from hftk.data import IGNORE_INDEX, announce_eval, collator
 from hftk.engine.guard import check_world
 from hftk.engine.trainer import load_data
@@ -73,13 +74,6 @@ def all_reduce_sum(value: torch.Tensor, groups: list[Any]) -> torch.Tensor:
         if dist.get_world_size(group) > 1:
             dist.all_reduce(value, group=group)
     return value
-
-
-def gather_objects(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order, on every rank."""
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def plain(tensor: torch.Tensor) -> torch.Tensor:
