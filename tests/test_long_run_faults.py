@@ -154,7 +154,9 @@ def test_zero2_saved_on_two_ranks_resumes_exactly_on_one_through_a_universal_che
     assert sorted(p.relative_to(one) for p in (one / "checkpoint-5").rglob("*")) == before  # nothing added
     reference, after = losses(two), losses(one)
     assert sorted(after) == list(range(6, 11)), after
-    for step in range(6, 11):  # measured: equal to the last printed digit (fp32, one rank summing two micro-batches)
+    # measured: losses equal bit for bit, weights 5.1e-7 apart (zero1 by hand: the same); 1e-5 as for ddp / fsdp:
+    # fp32 with the gradient summed over two micro-batches on one rank instead of reduced over two ranks
+    for step in range(6, 11):
         assert abs(after[step] - reference[step]) <= 1e-5, (step, reference[step], after[step])
     assert max_weight_diff(load_weights(two / "final"), load_weights(one / "final")) <= 1e-5
 

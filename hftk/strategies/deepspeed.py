@@ -42,8 +42,8 @@ from hftk.strategies import STRATEGIES
 # are not in the table's reshards_on_resume, so their way on is the weights alone: DeepSpeed 0.19.8's
 # ZeRO-3 universal load (stage3.py ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``) continued a
 # 2-rank checkpoint on 1 rank with the first loss equal and later ones up to 3.5e-3 apart, although the
-# converted weights and Adam moments matched and the same 1-rank run from scratch equals the 2-rank one
-# bit for bit; offload (CPU Adam) goes through the same ZeRO-3 load.
+# converted weights and Adam moments matched, hftk's fp32 master alias made no difference, and the same
+# 1-rank run from scratch equals the 2-rank one bit for bit; offload (CPU Adam) takes the same ZeRO-3 load.
 OTHER_WORLD_SIZE_FIX = (", or start a new run from its weights (`hftk export CHECKPOINT OUT`, then "
                         "--model_name_or_path OUT; the optimizer state starts afresh)")
 UNIVERSAL_SUFFIX = ".universal"  # checkpoint-N.universal beside checkpoint-N: no Trainer or hftk name matches it
