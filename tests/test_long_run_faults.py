@@ -172,7 +172,8 @@ def sealed_by(folder, world: int, global_batch: int | None):
 
 @pytest.mark.parametrize("strategy, args, needle", [
     ("zero3_offload", [], "zero3_offload's per-rank checkpoint pieces cannot be split or joined across ranks. "
-                          "Fix: resume with 2 ranks, or start a new run from its weights (`hftk export CHECKPOINT OUT`"),
+                          "Fix: resume with 2 ranks, or start a new run from its weights (`hftk export "
+                          "CHECKPOINT OUT`"),
     ("zero3", [], "zero3's per-rank checkpoint pieces"),  # see OTHER_WORLD_SIZE_FIX in hftk/strategies/deepspeed.py
     ("zero2", [], "the global batch would be 2 instead of 4"),  # converted to a universal checkpoint: batch kept only
     ("pipeline", ["--pp_size", "2"], "pipeline's per-rank checkpoint pieces cannot be split or joined across ranks. "
@@ -253,6 +254,18 @@ def test_only_a_zero_resume_at_another_world_size_loads_the_universal_folder(tmp
     (folder / "latest").unlink()  # not a DeepSpeed checkpoint (e.g. ddp's): nothing to convert
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert resume_folder(str(folder)) == str(folder)
+
+
+def test_a_zero_checkpoint_deepspeed_cannot_convert_fails_in_one_line_and_leaves_nothing_beside_it(tmp_path):
+    from hftk.strategies.deepspeed import to_universal
+
+    folder = sealed_by(tmp_path / "run" / "checkpoint-5", world=2, global_batch=4)
+    (folder / "latest").write_text("global_step5")
+    (folder / "global_step5").mkdir()  # no ZeRO shards in it
+    with pytest.raises(HftkError, match=rf"DeepSpeed could not convert {re.escape(str(folder))}/global_step5 to a "
+                                        r"universal checkpoint: .* Fix: resume with the number of ranks that saved it"):
+        to_universal(folder)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-5"]
 
 def test_the_world_size_check_runs_before_any_process_group(tmp_path, monkeypatch):
     """``latest`` resolved and checked in ``prepare``: the refusal comes before the launch does anything."""

@@ -418,11 +418,15 @@ def to_universal(checkpoint: Path) -> Path:
                         f"and its universal form cannot be written beside it: {exc.strerror}.",
                         "copy the checkpoint into a folder you can write to and resume from there.") from None
     tag = (checkpoint / "latest").read_text().strip()
-    for entry in checkpoint.iterdir():  # trainer_state.json, rng states, weights, tokenizer: read as they are
-        if entry.name not in ("latest", COMPLETE_MARKER) and not GLOBAL_STEP_RE.match(entry.name):
-            (staged / entry.name).symlink_to(entry.resolve())
-    _ds_to_universal(checkpoint / tag, staged / f"{tag}_universal")
-    (staged / UNIVERSAL_MARKER).write_text(json.dumps(source))
+    try:
+        for entry in checkpoint.iterdir():  # trainer_state.json, rng states, weights, tokenizer: read as they are
+            if entry.name not in ("latest", COMPLETE_MARKER) and not GLOBAL_STEP_RE.match(entry.name):
+                (staged / entry.name).symlink_to(entry.resolve())
+        _ds_to_universal(checkpoint / tag, staged / f"{tag}_universal")
+        (staged / UNIVERSAL_MARKER).write_text(json.dumps(source))
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
     if final.exists():  # converted from an earlier checkpoint of the same name
         shutil.rmtree(final)
     try:
@@ -435,20 +439,20 @@ def to_universal(checkpoint: Path) -> Path:
 
 
 def _ds_to_universal(zero_folder: Path, out: Path) -> None:
-    """DeepSpeed's converter, called as its script's ``main`` would be (one process, so no worker pool;
-    its progress bars kept off the screen unless it fails). ``inject_missing_state``: a model that is not
-    Megatron's declares no universal-checkpoint info, which DeepSpeed then fills with its version."""
+    """DeepSpeed's converter, called as its script's ``main`` would be (one process, so no worker pool; its
+    banner and progress bars kept off the screen; a failure is one line). ``inject_missing_state``: a model
+    that is not Megatron's declares no universal-checkpoint info, which DeepSpeed then fills with its version."""
     import argparse
 
     from deepspeed.checkpoint import ds_to_universal
 
     args = argparse.Namespace(input_folder=str(zero_folder), output_folder=str(out), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-    log = io.StringIO()
     try:  # the user's pickles opened weights-only, as `hftk export` does
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), _weights_only_loads():
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                _weights_only_loads():
             ds_to_universal.main(args)
     except Exception as exc:
         raise HftkError("training.resume_from_checkpoint", f"DeepSpeed could not convert {zero_folder} to a "
-                        f"universal checkpoint: {type(exc).__name__}: {exc} (its log ends: "
-                        f"{log.getvalue()[-300:]!r}).", "resume with the number of ranks that saved it.") from None
+                        f"universal checkpoint: {type(exc).__name__}: {exc}.",
+                        "resume with the number of ranks that saved it.") from None
