@@ -214,9 +214,10 @@ def _check_output_dir(cfg: RunConfig) -> None:
 def check_world_change(cfg: RunConfig, folder: Path, world_size: int) -> None:
     """A resume at another world size than ``folder`` was saved with: exact, or refused in one line.
 
-    Strategies whose checkpoints hold whole or DCP-resharded state (the table's ``reshards_on_resume``:
-    ddp, fsdp, tp, cp, sp) continue exactly when the global batch is kept (the Trainer then skips the same samples);
-    every other format holds one piece per rank, which a resume would load in part: refused."""
+    Strategies whose checkpoints hold whole or DCP-resharded state, or ZeRO shards that DeepSpeed converts
+    to its universal checkpoint (the table's ``reshards_on_resume``: ddp, fsdp, tp, cp, sp, zero1, zero2)
+    continue exactly when the global batch is kept (the Trainer then skips the same samples); every other
+    format holds one piece per rank, which a resume would load in part: refused."""
     from hftk import strategies
     from hftk.checkpoint import saved_world
     from hftk.parallel_dims import parallel_dims

@@ -191,7 +191,9 @@ def run(prepared: PreparedRun) -> tuple[dict[str, float], Any]:
         save_run_record(cfg.output_dir, run_record(cfg, trainer.args, prepared.world_size, prepared.data_format, 0))
     # Preempted, or nan_policy=stop: `guarded` saves (if the Trainer did not) and exits with its own code.
     with step_guard(trainer).signal.watching():  # through the final evaluation: a signal there interrupts it
-        metrics = dict(guarded(trainer, lambda: trainer.train(resume_from_checkpoint=resume)).metrics)
+        # a strategy may resume from a converted form of the checkpoint (DeepSpeed's universal one)
+        load_from = strategy.resume_folder(resume) if hasattr(strategy, "resume_folder") else resume
+        metrics = dict(guarded(trainer, lambda: trainer.train(resume_from_checkpoint=load_from)).metrics)
         step = trainer.state.global_step
         if data.eval is not None and not any("eval_loss" in h and h.get("step") == step
                                              for h in trainer.state.log_history):

@@ -58,7 +58,7 @@ class StrategySpec:
     options: tuple[str, ...] = ()  # strategy.* degrees only it reads
     zero_stage: int | None = None  # DeepSpeed ZeRO stage
     offload: bool = False  # parameters and optimizer state in CPU memory
-    reshards_on_resume: bool = False  # its checkpoints resume at another world size (whole or DCP-resharded)
+    reshards_on_resume: bool = False  # resumes at another world size: whole, DCP-resharded or ZeRO -> universal
 
 
 _DS = "hftk.strategies.deepspeed"
@@ -71,9 +71,9 @@ STRATEGIES: dict[str, StrategySpec] = {
                          "FSDP2: hftk shards every decoder block with fully_shard (its own options: --fsdp_*).",
                          quantized_base=True, auto_rank=3, reshards_on_resume=True),
     "zero1": StrategySpec(_DS, "trainer", "DEEPSPEED", "DeepSpeed ZeRO-1: optimizer state sharded.",
-                          auto_rank=1, zero_stage=1),
+                          auto_rank=1, zero_stage=1, reshards_on_resume=True),
     "zero2": StrategySpec(_DS, "trainer", "DEEPSPEED", "DeepSpeed ZeRO-2: optimizer state and gradients sharded.",
-                          auto_rank=2, zero_stage=2),
+                          auto_rank=2, zero_stage=2, reshards_on_resume=True),
     "zero3": StrategySpec(_DS, "trainer", "DEEPSPEED",
                           "DeepSpeed ZeRO-3: parameters, gradients and optimizer state sharded.",
                           auto_rank=4, zero_stage=3),

@@ -13,11 +13,16 @@ seconds, and ``hftk export`` reads ZeRO checkpoints through this module without 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
+import io
+import json
 import os
 import pickle
 import re
 import shutil
+import socket
+import sys
 import sysconfig
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,14 +31,23 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from hftk.agent_store import node_first
+from hftk.checkpoint import COMPLETE_MARKER, resolve_resume, saved_world
 from hftk.config import RunConfig
 from hftk.errors import HftkError
 from hftk.strategies import STRATEGIES
 
-# ZeRO keeps one optimizer partition per rank; DeepSpeed's own loader refuses another world size and
-# hftk does not load its universal checkpoints (ds_to_universal), so the way on is the weights alone.
+# ZeRO keeps one optimizer partition per rank and DeepSpeed's own loader refuses another world size.
+# zero1/2 resume through DeepSpeed's universal checkpoint (:func:`to_universal`). zero3 and zero3_offload
+# are not in the table's reshards_on_resume, so their way on is the weights alone: DeepSpeed 0.19.8's
+# ZeRO-3 universal load (stage3.py ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``) continued a
+# 2-rank checkpoint on 1 rank with the first loss equal and later ones up to 3.5e-3 apart, although the
+# converted weights and Adam moments matched, hftk's fp32 master alias made no difference, and the same
+# 1-rank run from scratch equals the 2-rank one bit for bit; offload (CPU Adam) takes the same ZeRO-3 load.
 OTHER_WORLD_SIZE_FIX = (", or start a new run from its weights (`hftk export CHECKPOINT OUT`, then "
                         "--model_name_or_path OUT; the optimizer state starts afresh)")
+UNIVERSAL_SUFFIX = ".universal"  # checkpoint-N.universal beside checkpoint-N: no Trainer or hftk name matches it
+UNIVERSAL_MARKER = "hftk_universal.json"  # which sealed checkpoint it was converted from, written last
 
 # ZeRO-3 knobs that are not derived from the hidden size (see the field notes: with DeepSpeed's
 # defaults ZeRO-3 peaked above DDP on small models). Counts are elements, not bytes.
@@ -171,6 +185,9 @@ def missing_cpu_adam_tools() -> list[str]:
 def training_arguments(cfg: RunConfig, model_config: Any) -> dict[str, Any]:
     """``deepspeed=<dict>``: the Trainer fills the "auto" values and registers it before the model loads.
 
+    A resume at another world size first converts its checkpoint (:func:`to_universal`: each node's
+    local rank 0 while the others wait, before any process group) and loads it with ``load_universal``.
+
     On DeepSpeed's CPU accelerator, accelerate 1.15 would either drop DeepSpeed (``use_cpu``,
     which the Trainer needs on CPU, e.g. for bf16) or find no backend and report world size 1
     while DeepSpeed's group has N ranks. So this starts accelerate's shared state itself, with
@@ -178,6 +195,11 @@ def training_arguments(cfg: RunConfig, model_config: Any) -> dict[str, Any]:
     ``use_cpu`` then only keeps the Trainer's CPU-side checks happy.
     """
     kwargs: dict[str, Any] = {"deepspeed": deepspeed_config(cfg)}
+    source = resumed_at_another_world(resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint")))
+    if source is not None:  # converted before the process group starts (validate let the world change through)
+        with node_first("zero-universal"):
+            to_universal(source)
+        kwargs["deepspeed"]["checkpoint"] = {"load_universal": True}
     if _deepspeed_device() == "cpu":
         _start_cpu_state(int(cfg.args.ddp_timeout))
         kwargs["accelerator_config"] = {**(cfg.training.get("accelerator_config") or {}), "use_configured_state": True}
@@ -355,3 +377,89 @@ def _weights_only_loads() -> Iterator[None]:
             os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
         else:
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
+
+
+# ---- resuming at another world size: DeepSpeed's universal checkpoint ----
+
+def resumed_at_another_world(resume: str | None) -> Path | None:
+    """``resume`` when it is a ZeRO checkpoint saved by another number of ranks than this launch has, else None.
+
+    ``validate.check_world_change`` has already refused such a resume unless the strategy's table row
+    reshards and the global batch is kept, so what reaches here continues exactly."""
+    if resume is None or not is_zero_checkpoint(Path(resume)):
+        return None
+    saved = saved_world(Path(resume))[0]
+    return Path(resume) if saved not in (None, int(os.environ.get("WORLD_SIZE", "1"))) else None
+
+
+def resume_folder(resume: str | None) -> str | None:
+    """What the Trainer resumes from: for a checkpoint saved at another world size, the universal folder
+    :func:`training_arguments` converted it into (its DeepSpeed config then says ``load_universal``)."""
+    source = resumed_at_another_world(resume)
+    return str(universal_folder(source)) if source is not None else resume
+
+
+def universal_folder(checkpoint: Path) -> Path:
+    return checkpoint.with_name(checkpoint.name + UNIVERSAL_SUFFIX)
+
+
+def to_universal(checkpoint: Path) -> Path:
+    """``checkpoint-N.universal`` beside ``checkpoint-N``, which stays as it was: the Trainer's own files
+    linked, ZeRO's per-rank shards converted by DeepSpeed's ``ds_to_universal`` into one fp32 folder per
+    parameter (weights, Adam moments, step), and ``latest_universal`` naming it -- the layout
+    ``engine.load_checkpoint`` reads under ``"checkpoint": {"load_universal": true}``, at any world size.
+
+    Converted once: a folder whose marker names this checkpoint's seal is reused. Written in a staging
+    sibling and renamed, so a killed conversion never leaves a half folder that looks done."""
+    final = universal_folder(checkpoint)
+    source = {"source": str(checkpoint.resolve()),
+              "seal": hashlib.sha256((checkpoint / COMPLETE_MARKER).read_bytes()).hexdigest()}
+    if (final / UNIVERSAL_MARKER).is_file() and json.loads((final / UNIVERSAL_MARKER).read_text()) == source:
+        return final
+    staged = checkpoint.with_name(f".{final.name}.partial-{socket.gethostname()}")
+    shutil.rmtree(staged, ignore_errors=True)  # this host's leftover of a killed conversion
+    try:
+        staged.mkdir()
+    except OSError as exc:
+        raise HftkError("training.resume_from_checkpoint", f"{checkpoint} was saved by another number of ranks "
+                        f"and its universal form cannot be written beside it: {exc.strerror}.",
+                        "copy the checkpoint into a folder you can write to and resume from there.") from None
+    tag = (checkpoint / "latest").read_text().strip()
+    try:
+        for entry in checkpoint.iterdir():  # trainer_state.json, rng states, weights, tokenizer: read as they are
+            if entry.name not in ("latest", COMPLETE_MARKER) and not GLOBAL_STEP_RE.match(entry.name):
+                (staged / entry.name).symlink_to(entry.resolve())
+        _ds_to_universal(checkpoint / tag, staged / f"{tag}_universal")
+        (staged / UNIVERSAL_MARKER).write_text(json.dumps(source))
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    if final.exists():  # converted from an earlier checkpoint of the same name
+        shutil.rmtree(final)
+    try:
+        staged.rename(final)
+    except OSError:  # another node's rank finished the same conversion first (a shared filesystem)
+        shutil.rmtree(staged, ignore_errors=True)
+    print(f"hftk: converted {checkpoint} to DeepSpeed's universal checkpoint {final} (to resume it at another "
+          "world size; the original is unchanged)", file=sys.stderr, flush=True)
+    return final
+
+
+def _ds_to_universal(zero_folder: Path, out: Path) -> None:
+    """DeepSpeed's converter, called as its script's ``main`` would be (one process, so no worker pool; its
+    banner and progress bars kept off the screen; a failure is one line). ``inject_missing_state``: a model
+    that is not Megatron's declares no universal-checkpoint info, which DeepSpeed then fills with its version."""
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(zero_folder), output_folder=str(out), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    try:  # the user's pickles opened weights-only, as `hftk export` does
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                _weights_only_loads():
+            ds_to_universal.main(args)
+    except Exception as exc:
+        raise HftkError("training.resume_from_checkpoint", f"DeepSpeed could not convert {zero_folder} to a "
+                        f"universal checkpoint: {type(exc).__name__}: {exc}.",
+                        "resume with the number of ranks that saved it.") from None
