@@ -124,7 +124,8 @@ def bf16_runs(root):
 
 @pytest.fixture(scope="module")
 def sp_run(root):
-    return _run(root, "sp", 2, [*LLAMA, "--strategy", "sp", "--sp_size", "2", "--per_device_train_batch_size", "4"])
+    return _run(root, "sp", 2, [*LLAMA, "--strategy", "sp", "--sp_size", "2", "--per_device_train_batch_size", "4",
+                                "--save_strategy", "steps", "--save_steps", "3"])
 
 
 def _layout(run) -> dict:
@@ -386,11 +387,29 @@ def test_a_tp_checkpoint_resumes_on_a_3d_mesh(llama_tp, tmp_path):
                        "--per_device_train_batch_size", "2"])
     q = _layout(resumed)["local_shapes"]["model.layers.0.self_attn.q_proj.weight"]
     assert len(q["placements"]) == 3 and q["local"] == [32, 64]  # replicated x (1-way) sharded x TP
-    full, after = losses(llama_tp), losses(resumed)
+    _assert_continues(llama_tp, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run, layout", [
+    ("llama_cp", ["--strategy", "cp", "--cp_size", "2", "--dp_replicate_size", "2"]),  # FSDP(cp) -> HSDP x cp
+    ("sp_run", ["--strategy", "sp", "--sp_size", "2"]),  # sp 2 -> 2 data-parallel groups of sp 2
+])
+def test_a_cp_or_sp_checkpoint_resumes_on_four_ranks(request, run, layout, tmp_path):
+    """Saved on 2 ranks (one data-parallel group, batch 4), resumed on 4 (two groups, batch 2): the same global
+    batch, DCP reshards; the saved seal's world size differs, which validate.check_world_change lets through."""
+    saved = request.getfixturevalue(run)
+    resumed = _resume(saved / "checkpoint-3", tmp_path / "resumed4", 4, [*layout, "--per_device_train_batch_size", "2"])
+    _assert_continues(saved, resumed)
+
+
+def _assert_continues(full_run, resumed) -> None:
+    """Steps 4-5 and the final weights of ``resumed`` equal the uninterrupted ``full_run``'s."""
+    full, after = losses(full_run), losses(resumed)
     assert sorted(after) == [4, 5]
     for step in after:
         assert after[step] == pytest.approx(full[step], abs=TOL), step
-    assert max_weight_diff(load_weights(llama_tp / "final"), load_weights(resumed / "final")) < TOL
+    assert max_weight_diff(load_weights(full_run / "final"), load_weights(resumed / "final")) < TOL
 
 
 @pytest.mark.slow
