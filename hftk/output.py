@@ -49,7 +49,7 @@ class _Dropped(logging.Filter):
         return not self.pattern.match(record.getMessage())
 
 
-def quiet_libraries(on_cpu: bool, main_process: bool) -> None:
+def quiet_libraries(on_cpu: bool) -> None:
     """Switch the libraries' own output off where it is not the user's business (see the module doc).
 
     ``setdefault`` everywhere: a user's own ``DS_ACCELERATOR`` or ``WANDB_QUIET`` wins. Hub download
@@ -57,13 +57,10 @@ def quiet_libraries(on_cpu: bool, main_process: bool) -> None:
     (its own ``tqdm``, governed by ``disable_tqdm``)."""
     import datasets
     import huggingface_hub.utils as hub_utils
-    import torch
     from transformers.utils import logging as hf_logging
 
-    if on_cpu:  # DeepSpeed's guess otherwise warns on every rank that it found no GPU; hftk says it once
+    if on_cpu:  # DeepSpeed's guess otherwise warns on every rank that it found no GPU (announce_cpu says it once)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        if main_process and not torch.cuda.is_available():
-            print("hftk: torch sees no GPU: running on CPU", flush=True)
     os.environ.setdefault("WANDB_QUIET", "true")  # wandb's own switch: no history tables, its paths stay
     hub_bars_off = hub_utils.are_progress_bars_disabled()
     hf_logging.disable_progress_bar()  # "Loading weights", "Writing model shards"
@@ -78,6 +75,15 @@ def quiet_libraries(on_cpu: bool, main_process: bool) -> None:
         if not any(isinstance(f, _Dropped) and f.pattern is pattern for f in logger.filters):
             logger.addFilter(_Dropped(pattern))
     _import_integrations_quietly()
+
+
+def announce_cpu(main_process: bool) -> None:
+    """DeepSpeed's "Setting accelerator to CPU ... we were unable to detect it" (every rank) as one line from
+    rank 0 when torch sees no GPU; printed once the input is valid, so an input error is the first line."""
+    import torch
+
+    if main_process and not torch.cuda.is_available():
+        print("hftk: torch sees no GPU: running on CPU", flush=True)
 
 
 def _import_integrations_quietly() -> None:

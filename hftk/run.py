@@ -29,7 +29,7 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
     on_cpu = trains_on_cpu(cfg)
     if on_cpu:
         allocator.return_freed_memory()
-    output.quiet_libraries(on_cpu, is_main_process())  # before validation imports transformers' integrations
+    output.quiet_libraries(on_cpu)  # before validation imports transformers' integrations
     launch.adopt_launcher_strategy(cfg)  # accelerate_configs/<strategy>.yaml says it through the environment
     validate.check_config(cfg)
     world_size = validate.launch_world_size()
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         prepared = prepare(argv)
     except HftkError as exc:
         return report(exc)
+    output.announce_cpu(is_main_process())
     engine = strategies.spec(prepared.cfg.strategy.strategy).engine
     try:
         importlib.import_module(f"hftk.engine.{engine}").train(prepared)

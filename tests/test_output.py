@@ -9,24 +9,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from tests.helpers import ROOT, finetune
-
-# What a default run printed before hftk.output existed, each a library's own line.
-NOISE = {
-    "DeepSpeed's accelerator guess": re.compile(r"Setting accelerator to CPU|Setting ds_accelerator"),
-    "transformers' pad-token alignment": re.compile(r"PAD/BOS/EOS tokens that differ"),
-    "transformers' loss_type note": re.compile(r"`loss_type=None` was set"),
-    "transformers' import-time wandb line": re.compile(r"\[INFO\] Running in WANDB offline mode"),
-    "a datasets / transformers progress bar": re.compile(
-        r"(tokenize|pack|cut|Map|Filter|Loading weights|Writing model shards)[^:\n]*:\s+\d+%\|"),
-    "wandb's history tables": re.compile(r"wandb: Run (history|summary):"),
-}
-
-
-def noise_in(output: str) -> list[str]:
-    return [f"{name}: {m.group(0)!r}" for name, pattern in NOISE.items() if (m := pattern.search(output))]
-
+from tests.helpers import ROOT, finetune, noise_in
 
 @pytest.mark.slow
 def test_default_ddp_run_prints_only_hftk_progress_metrics_and_lines(tmp_path):
@@ -37,7 +22,8 @@ def test_default_ddp_run_prints_only_hftk_progress_metrics_and_lines(tmp_path):
     assert not noise_in(result.output), "\n".join(noise_in(result.output)) + "\n" + result.output[-4000:]
     assert re.search(r"3/3 \[", result.stderr), "the Trainer's progress bar is hftk's progress: it stays"
     assert "'train_runtime'" in result.stdout  # the Trainer's metrics line
-    assert result.stdout.count("hftk: torch sees no GPU: running on CPU") == 1  # DeepSpeed's line, once, rank 0
+    cpu_lines = result.stdout.count("hftk: torch sees no GPU: running on CPU")  # DeepSpeed's guess, once, rank 0
+    assert cpu_lines == (0 if torch.cuda.is_available() else 1), result.stdout
     assert f"Run data is saved locally in {out}" in result.output  # wandb says once where it writes
     assert (out / "final" / "model.safetensors").exists()
 
@@ -46,7 +32,7 @@ QUIET_CHECK = r"""
 import logging, os, sys
 os.environ["WANDB_MODE"] = "offline"
 from hftk.output import quiet_libraries
-quiet_libraries(on_cpu=True, main_process=False)
+quiet_libraries(on_cpu=True)
 import datasets, huggingface_hub.utils as hub
 from transformers.utils import logging as hf_logging
 from transformers.trainer_utils import logger as trainer_utils_logger
