@@ -1,7 +1,7 @@
 """What a run prints: hftk's progress bar, metrics and one-line messages, and nothing else.
 
 The libraries under hftk each print their own notices: DeepSpeed's accelerator guess (every rank, every
-import), its "op built successfully" note and ZeRO's deprecated all-gather warning, transformers'
+import), its "op built successfully" note and torch's deprecation warnings for the collectives ZeRO calls, transformers'
 weight-loading and shard-writing bars and two advisory warnings about choices hftk made on purpose,
 ``datasets``' map bars, the ``[INFO] Running in WANDB offline mode`` line every rank prints at import,
 wandb's run history tables, libkineto's profiler markers. :func:`quiet_libraries` turns each off at its
@@ -67,9 +67,10 @@ def quiet_libraries(on_cpu: bool) -> None:
     if not hub_bars_off:
         hub_utils.enable_progress_bars()  # transformers' switch turns the Hub's off too
     datasets.disable_progress_bars()  # tokenize / pack / map bars
-    # DeepSpeed's ZeRO calls it on every rank; torch's deprecation is DeepSpeed's business, not the user's
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning)
+    # ZeRO calls torch's deprecated tensor collectives (all_gather_into_tensor, reduce_scatter_tensor) on every
+    # rank, ZeRO-3 at every step: DeepSpeed's business, nothing a user can change
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated\. Please use",
+                            category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
     for name, pattern in DROPPED_WARNINGS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Dropped) and f.pattern is pattern for f in logger.filters):
