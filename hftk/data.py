@@ -45,14 +45,12 @@ def load_raw(cfg: DataConfig) -> Any:
     """A ``datasets.DatasetDict`` from wherever ``data.dataset`` points (quietly: this is validation)."""
     import datasets
 
-    datasets.disable_progress_bars()
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a reader's failure is our one line, not its log
     try:
         return _load_raw(cfg)
     finally:
         datasets.logging.set_verbosity(verbosity)
-        datasets.enable_progress_bars()
 
 
 def _load_raw(cfg: DataConfig) -> Any:
@@ -254,11 +252,7 @@ def normalise(cfg: DataConfig, raw: Any, fmt: str, template: Any, field: str) ->
     for split in dict.fromkeys(s for s in (cfg.train_split, cfg.eval_split) if s):  # the splits this run reads
         ds = raw[split]
         convert = _converter(cfg, fmt, template)
-        datasets.disable_progress_bars()
-        try:
-            ds = ds.map(convert, batched=True, remove_columns=ds.column_names)
-        finally:
-            datasets.enable_progress_bars()
+        ds = ds.map(convert, batched=True, remove_columns=ds.column_names)
         out[split] = _check_rows(ds, cfg, field, split, tools_ok)
     new_fmt = "prompt_completion" if fmt == "alpaca" and not template else "messages"
     return datasets.DatasetDict(out), new_fmt

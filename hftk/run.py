@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from hftk import allocator, launch, plan, strategies, validate
-from hftk.config import RunConfig, load_config
+from hftk import allocator, launch, output, plan, strategies, validate
+from hftk.config import RunConfig, is_main_process, load_config
 from hftk.data import check_holdouts, combined_format, load_sources
 from hftk.errors import HftkError, report
 from hftk.modeling import load_model_config, load_tokenizer, resolve_model_path
@@ -23,10 +23,13 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
 
     A run that trains on CPU first tells glibc to give freed memory back (``allocator``): every
     engine, bench and test worker starts here, before any model exists. GPU runs keep glibc's
-    defaults: their host memory is not what the plan budgets, and the setting costs CPU time."""
+    defaults: their host memory is not what the plan budgets, and the setting costs CPU time. Then the
+    libraries' own notices and bars are switched off (``output.quiet_libraries``) before any of them prints."""
     cfg = load_config(argv)
-    if trains_on_cpu(cfg):
+    on_cpu = trains_on_cpu(cfg)
+    if on_cpu:
         allocator.return_freed_memory()
+    output.quiet_libraries(on_cpu)  # before validation imports transformers' integrations
     launch.adopt_launcher_strategy(cfg)  # accelerate_configs/<strategy>.yaml says it through the environment
     validate.check_config(cfg)
     world_size = validate.launch_world_size()
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         prepared = prepare(argv)
     except HftkError as exc:
         return report(exc)
+    output.announce_cpu(is_main_process())
     engine = strategies.spec(prepared.cfg.strategy.strategy).engine
     try:
         importlib.import_module(f"hftk.engine.{engine}").train(prepared)

@@ -14,15 +14,10 @@ gradient, summed over the micro-batches of the step.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
 import re
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +29,7 @@ from transformers import TrainerCallback
 from hftk.comm.accounting import union_length
 from hftk.memory import model_state_bytes
 from hftk.monitor import append_jsonl
+from hftk.output import kineto_markers_dropped
 
 logger = logging.getLogger("hftk.telemetry")
 MB = 2**20
@@ -421,33 +417,3 @@ class RankMonitorCallback(TrainerCallback):
         summary = self.monitor.collect(model, optimizer)
         if summary is not None:
             logs.update(summary.publish(state.global_step, self.metrics_path))
-
-
-# libkineto's marker line at every trace start and stop ("USDT:<date> <time> <pid>:<tid> <file>:<line>] profiler_start")
-KINETO_MARKER = re.compile(r"USDT:[^\n]*\] profiler_(start|stop)\n?\Z")
-
-
-@contextlib.contextmanager
-def kineto_markers_dropped() -> Iterator[None]:
-    """Start or stop a torch.profiler trace without libkineto's ``USDT: ... profiler_start`` /
-    ``profiler_stop`` lines on the user's screen.
-
-    libkineto writes them to the C++ stderr at every start and stop; their severity ranks above
-    ERROR, so ``KINETO_LOG_LEVEL`` cannot drop them without dropping kineto's errors too. So the
-    process's stderr goes to a file for the call, and every line but those two is written back."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as capture:
-        os.dup2(capture.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            capture.seek(0)
-            lines = capture.read().decode(errors="replace").splitlines(keepends=True)
-            kept = "".join(line for line in lines if not KINETO_MARKER.match(line))
-            if kept:
-                sys.stderr.write(kept)
-                sys.stderr.flush()

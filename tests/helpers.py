@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -247,3 +248,20 @@ def wandb_run(output_dir: Path) -> dict[str, Any]:
                     record.config.update if record.HasField("config") else []
                 config.update({item.key: json.loads(item.value_json) for item in update})
     return {"history": history, "config": config}
+
+
+# What a default run printed before hftk.output existed, each a library's own line (tests/test_output.py).
+NOISE = {
+    "DeepSpeed's accelerator guess": re.compile(r"Setting accelerator to CPU|Setting ds_accelerator"),
+    "transformers' pad-token alignment": re.compile(r"PAD/BOS/EOS tokens that differ"),
+    "transformers' loss_type note": re.compile(r"`loss_type=None` was set"),
+    "transformers' import-time wandb line": re.compile(r"\[INFO\] Running in WANDB offline mode"),
+    "a datasets / transformers progress bar": re.compile(
+        r"(tokenize|pack|cut|Map|Filter|Loading weights|Writing model shards)[^:\n]*:\s+\d+%\|"),
+    "wandb's history tables": re.compile(r"wandb: Run (history|summary):"),
+}
+
+
+def noise_in(output: str) -> list[str]:
+    """Each :data:`NOISE` kind found in a launch's output, with the text that matched."""
+    return [f"{name}: {m.group(0)!r}" for name, pattern in NOISE.items() if (m := pattern.search(output))]

@@ -6,7 +6,7 @@ import shlex
 
 import pytest
 
-from tests.helpers import ROOT, metrics, run
+from tests.helpers import ROOT, metrics, noise_in, run
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +34,7 @@ def test_readme_main_command_trains_two_ranks(tmp_path):
     assert result.returncode == 0, result.output[-5000:]
     # the profiled steps (3 and every 50th) leave no libkineto marker lines between the progress updates
     assert "profiler_start" not in result.output and "profiler_stop" not in result.output
+    assert not noise_in(result.output), noise_in(result.output)  # nor the libraries' notices (hftk.output)
     out = tmp_path / "default"
     logged = metrics(out)
     train_losses = [m["loss"] for m in logged if "loss" in m]

@@ -189,14 +189,14 @@ def test_monitor_measures_compute_memory_and_profiled_step(tiny_model, capfd):
     assert stats["comm_share"] == 0.0  # profiled (NaN when not), and one process sends nothing
     assert summary.scalars["compute_time_s_max"] == summary.scalars["compute_time_s_min"] == stats["compute_time_s"]
     assert monitor.window.steps == 0 and not monitor._hooks
-    assert "profiler_start" not in capfd.readouterr().err  # libkineto's USDT lines (hftk.telemetry.kineto_markers_dropped)
+    assert "profiler_start" not in capfd.readouterr().err  # libkineto's USDT lines (hftk.output.kineto_markers_dropped)
 
 
 def test_kineto_marker_filter_keeps_every_other_line(capfd):
     """What the process writes to fd 2 inside the filter comes back, in order, except libkineto's two markers."""
     import os
 
-    from hftk.telemetry import kineto_markers_dropped
+    from hftk.output import kineto_markers_dropped
 
     with kineto_markers_dropped():
         os.write(2, b"USDT:2026-12-01 22:22:51 14920:14920 SyncActivityProfilerHandler.cpp:52] profiler_start\n")

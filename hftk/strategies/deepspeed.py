@@ -35,6 +35,7 @@ from hftk.agent_store import node_first
 from hftk.checkpoint import COMPLETE_MARKER, resolve_resume, saved_world
 from hftk.config import RunConfig
 from hftk.errors import HftkError
+from hftk.output import DEEPSPEED_OP_BUILT, printed_lines_dropped
 from hftk.strategies import STRATEGIES
 
 # ZeRO keeps one optimizer partition per rank and DeepSpeed's own loader refuses another world size.
@@ -222,7 +223,8 @@ def _start_cpu_state(timeout_s: int) -> None:
     before = os.environ.get("ACCELERATE_USE_DEEPSPEED")  # set by `accelerate launch --use_deepspeed`
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # read once by PartialState, as TrainingArguments does
     try:
-        PartialState(backend=get_accelerator().communication_backend_name(), timeout=timedelta(seconds=timeout_s))
+        with printed_lines_dropped(DEEPSPEED_OP_BUILT):  # DeepSpeed's comm starts here: its note on every rank
+            PartialState(backend=get_accelerator().communication_backend_name(), timeout=timedelta(seconds=timeout_s))
     finally:
         if before is None:
             del os.environ["ACCELERATE_USE_DEEPSPEED"]

@@ -1,0 +1,146 @@
+"""What a run prints: hftk's progress bar, metrics and one-line messages, and nothing else.
+
+The libraries under hftk each print their own notices: DeepSpeed's accelerator guess (every rank, every
+import), its "op built successfully" note and torch's deprecation warnings for the collectives ZeRO calls, transformers'
+weight-loading and shard-writing bars and two advisory warnings about choices hftk made on purpose,
+``datasets``' map bars, the ``[INFO] Running in WANDB offline mode`` line every rank prints at import,
+wandb's run history tables, libkineto's profiler markers. :func:`quiet_libraries` turns each off at its
+source with the library's own switch, once, before a run imports them; :func:`printed_lines_dropped`
+(DeepSpeed's note) and :func:`kineto_markers_dropped` filter the two that have no switch around the one
+call that prints them. Warnings that say something is wrong with a run stay, and ``--log_level info`` /
+``debug`` (the Trainer sets transformers' verbosity from it) brings the two dropped ones back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+
+# DeepSpeed's note on every rank each time its comm backend starts (``deepspeed.comm.torch.build_shm_op``: a print)
+DEEPSPEED_OP_BUILT = re.compile(r"DeepSpeed \S+ built successfully\n?\Z")
+
+# transformers' advisory warnings about what hftk does on purpose: (logger, the message it drops)
+DROPPED_WARNINGS = (
+    # hftk's tokenizer defines a pad token; the Trainer copies it into the model config (the only change)
+    ("transformers.trainer_utils", re.compile(r"The tokenizer has new PAD/BOS/EOS tokens .* Updated tokens: "
+                                              r"\{'pad_token_id': \d+\}\.\Z", re.S)),
+    # a config without `loss_type` gets the causal LM loss, which is the loss hftk trains with
+    ("transformers.modeling_utils", re.compile(r"`loss_type=None` was set in the config but it is unrecognized")),
+)
+
+
+class _Dropped(logging.Filter):
+    """Drops one advisory message unless the user asked transformers for info or debug output."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if logging.getLogger("transformers").getEffectiveLevel() < logging.WARNING:
+            return True  # --log_level info / debug: everything, as transformers wrote it
+        return not self.pattern.match(record.getMessage())
+
+
+def quiet_libraries(on_cpu: bool) -> None:
+    """Switch the libraries' own output off where it is not the user's business (see the module doc).
+
+    ``setdefault`` everywhere: a user's own ``DS_ACCELERATOR`` or ``WANDB_QUIET`` wins. Hub download
+    bars stay (a large download is progress the user waits on), as does the Trainer's progress bar
+    (its own ``tqdm``, governed by ``disable_tqdm``)."""
+    import datasets
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    if on_cpu:  # DeepSpeed's guess otherwise warns on every rank that it found no GPU (announce_cpu says it once)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("WANDB_QUIET", "true")  # wandb's own switch: no history tables, its paths stay
+    hub_bars_off = hub_utils.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # "Loading weights", "Writing model shards"
+    if not hub_bars_off:
+        hub_utils.enable_progress_bars()  # transformers' switch turns the Hub's off too
+    datasets.disable_progress_bars()  # tokenize / pack / map bars
+    # ZeRO calls torch's deprecated tensor collectives (all_gather_into_tensor, reduce_scatter_tensor) on every
+    # rank, ZeRO-3 at every step: DeepSpeed's business, nothing a user can change
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated\. Please use",
+                            category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
+    for name, pattern in DROPPED_WARNINGS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Dropped) and f.pattern is pattern for f in logger.filters):
+            logger.addFilter(_Dropped(pattern))
+    _import_integrations_quietly()
+
+
+def announce_cpu(main_process: bool) -> None:
+    """DeepSpeed's "Setting accelerator to CPU ... we were unable to detect it" (every rank) as one line from
+    rank 0 when torch sees no GPU; printed once the input is valid, so an input error is the first line."""
+    import torch
+
+    if main_process and not torch.cuda.is_available():
+        print("hftk: torch sees no GPU: running on CPU", flush=True)
+
+
+def _import_integrations_quietly() -> None:
+    """Import transformers' tracker integrations with ``WANDB_MODE`` hidden: the module prints
+    ``[INFO] Running in WANDB offline mode`` at import when it is ``offline``, on every rank, with
+    no switch; wandb itself then says it once, on rank 0, with where the run's files are."""
+    if "transformers.integrations.integration_utils" in sys.modules:
+        return
+    mode = os.environ.pop("WANDB_MODE", None)
+    try:
+        import transformers.integrations.integration_utils  # noqa: F401
+    finally:
+        if mode is not None:
+            os.environ["WANDB_MODE"] = mode
+
+
+@contextlib.contextmanager
+def printed_lines_dropped(pattern: re.Pattern[str]) -> Iterator[None]:
+    """Run a library call whose Python ``print`` has no switch (:data:`DEEPSPEED_OP_BUILT`); every other
+    line it prints is written back when it returns."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield
+    finally:
+        kept = "".join(line for line in buffer.getvalue().splitlines(keepends=True) if not pattern.match(line))
+        if kept:
+            sys.stdout.write(kept)
+            sys.stdout.flush()
+
+
+# libkineto's marker line at every trace start and stop ("USDT:<date> <time> <pid>:<tid> <file>:<line>] profiler_start")
+KINETO_MARKER = re.compile(r"USDT:[^\n]*\] profiler_(start|stop)\n?\Z")
+
+
+@contextlib.contextmanager
+def kineto_markers_dropped() -> Iterator[None]:
+    """Start or stop a torch.profiler trace without libkineto's ``USDT: ... profiler_start`` /
+    ``profiler_stop`` lines on the user's screen.
+
+    libkineto writes them to the C++ stderr at every start and stop; their severity ranks above
+    ERROR, so ``KINETO_LOG_LEVEL`` cannot drop them without dropping kineto's errors too. So the
+    process's stderr goes to a file for the call, and every line but those two is written back."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            lines = capture.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not KINETO_MARKER.match(line))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
