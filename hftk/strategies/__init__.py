@@ -22,6 +22,8 @@ A strategy driven by the HF Trainer (``engine == "trainer"``) also answers:
   world guard (DeepSpeed shares ZeRO-3's fp32 master with the parameters at train begin).
 - optional ``trainer_factory(cfg) -> callable``: builds the Trainer instead of
   ``transformers.Trainer`` when the strategy owns model/optimizer I/O (FSDP2's DTensor shards).
+- optional ``resume_folder(resume) -> str | None``: the folder the Trainer resumes from instead of
+  ``resume`` (ZeRO-1/2 at another world size: the universal checkpoint ``training_arguments`` converted).
 
 The mesh loop's strategies (``engine == "mesh_loop"``: tp, cp, sp) answer
 ``layout(model, cfg, device_type) -> MeshLayout`` (see :mod:`hftk.strategies.mesh`) instead of the
