@@ -10,7 +10,7 @@ import re
 
 from hftk.config import TRAINING_DEFAULTS, load_config, training_defaults
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # TrainingArguments.__post_init__ derives these from the others (None -> False, '' -> [], do_eval from
 # eval_strategy, ...); hftk reads them only for truth, where both forms agree.
 DERIVED = {"activation_checkpointing", "gradient_checkpointing", "include_num_input_tokens_seen", "disable_tqdm",

@@ -15,7 +15,7 @@ import torch
 from hftk.chat import IGNORE_INDEX
 from hftk.config import DataConfig
 from hftk.data import collator, rows
-from tests.test_matrix import make_family
+from tests.integration.test_matrix import make_family
 
 FAMILIES = ("gpt2", "llama", "qwen2", "gpt_neox", "mistral")
 LENGTHS = (5, 31, 12, 3, 20, 9, 17, 2, 26, 8)  # whole examples, block 32: several share a block
@@ -195,7 +195,7 @@ CHAT = ["--model_name_or_path", "builtin:gpt2-tiny", "--chat_template", "chatml"
 ])
 def test_auto_packing_resolves_by_format_and_strategy(tmp_path, monkeypatch, args, packing):
     from hftk.run import prepare
-    from tests.test_matrix import TWO_RANKS
+    from tests.integration.test_matrix import TWO_RANKS
 
     for key, value in TWO_RANKS.items():
         monkeypatch.setenv(key, value)
@@ -219,7 +219,7 @@ def test_auto_packing_resolves_by_format_and_strategy(tmp_path, monkeypatch, arg
 def test_packing_a_strategy_cannot_honour_is_refused_before_launch(tmp_path, monkeypatch, args, field, words):
     from hftk.errors import HftkError
     from hftk.run import prepare
-    from tests.test_matrix import TWO_RANKS
+    from tests.integration.test_matrix import TWO_RANKS
 
     for key, value in TWO_RANKS.items():
         monkeypatch.setenv(key, value)
