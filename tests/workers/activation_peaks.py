@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from hftk import allocator
 from hftk.plan import GIB, PlanInputs, activation_bytes, model_shape
 from hftk.telemetry import peak_memory_bytes, reset_peak_memory
-from tests.test_activations import BATCH, CONFIGS, SEQ
+from tests.unit.test_activations import BATCH, CONFIGS, SEQ
 
 CPU = torch.device("cpu")
 

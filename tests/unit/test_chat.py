@@ -11,7 +11,7 @@ from hftk import chat
 from hftk.chat import IGNORE_INDEX
 from hftk.config import DataConfig
 
-TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
 # family -> (template file, bos, end-of-turn token, extra special tokens, tokenizer adds BOS itself)
 FAMILIES = {
     "llama3": ("llama3.jinja", "<|begin_of_text|>", "<|eot_id|>", ["<|start_header_id|>", "<|end_header_id|>"], True),

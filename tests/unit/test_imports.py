@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "hftk"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "hftk"
 
 
 def _modules() -> dict[str, pathlib.Path]:
