@@ -16,7 +16,6 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -161,15 +160,6 @@ def test_export_reloads_with_the_live_eval_loss(runs, tmp_path):
     assert _eval_loss(sharded, tmp_path) == pytest.approx(live, abs=1e-5)
 
 
-def test_verify_refuses_a_model_that_is_not_sharded():
-    from hftk.errors import HftkError
-    from hftk.strategies import fsdp
-
-    plain = torch.nn.Linear(2, 2)
-    with pytest.raises(HftkError, match="not an FSDP2 module"):
-        fsdp.verify(SimpleNamespace(model=plain, model_wrapped=plain))
-
-
 TWO = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}  # what torchrun sets; validation runs before any group
 ERRORS = [
     ("world_size_1", ["--strategy", "fsdp"], {}, "strategy.strategy"),
@@ -189,16 +179,3 @@ def test_bad_combination_is_one_clear_line(case_id, args, env, field, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("hftk: error: ") and field in lines[0], result.stderr
     assert "Fix:" in lines[0] and "Traceback" not in result.output
     assert not out.exists()
-
-
-
-def test_a_dcp_model_folder_is_read_whole_in_one_process(tmp_path):
-    """``hftk export``'s reader of fsdp and mesh checkpoints: the model entries only, named as the model names them."""
-    import torch.distributed.checkpoint as dcp
-
-    from hftk.hf_folder import read_dcp_model
-
-    model = {"model.layers.0.weight": torch.randn(4, 3), "lm_head.weight": torch.randn(5, 3)}  # llama-like names
-    dcp.save({"model": model, "optim": {"step": torch.tensor(3.0)}}, checkpoint_id=tmp_path, no_dist=True)
-    got = read_dcp_model(tmp_path)
-    assert sorted(got) == sorted(model) and all(torch.equal(got[k], v) for k, v in model.items())

@@ -38,7 +38,7 @@ import torch
 import yaml
 
 from tests.faults import TOKEN, hub_env
-from tests.helpers import TINY_ARGS, finetune, finetune_cells, losses, metrics, tiny_eval_loss
+from tests.helpers import finetune, finetune_cells, losses, metrics, tiny_eval_loss
 from tests.hub_server import HubServer
 
 STEPS = 10
@@ -236,73 +236,3 @@ def test_memory_plan_counts_only_the_adapters(runs):
         assert rank["grads"] == estimate.grads == 4 * 16_384  # no gradient for the frozen base
         assert 0 <= rank["optimizer"] - estimate.optimizer <= 16 * 8  # AdamW moments (+ one step counter per tensor)
     assert estimate.optimizer < plan.estimate("ddp", full, inputs).optimizer / 10
-
-
-# ---- in-process: defaults per architecture and bad input (no process group) ----
-
-@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "llama", "mistral", "qwen2"])
-def test_default_targets_wrap_every_projection_of_the_family(model_type):
-    from peft import get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from hftk.config import ModelConfig
-    from hftk.lora import check_targets, lora_config
-
-    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, n_embd=32, intermediate_size=64,
-                                  num_hidden_layers=2, n_layer=2, num_attention_heads=4, n_head=4,
-                                  num_key_value_heads=2)
-    cfg = ModelConfig(lora_r=4)
-    check_targets(cfg, config)
-    with torch.device("meta"):
-        model = get_peft_model(AutoModelForCausalLM.from_config(config), lora_config(cfg, model_type))
-    wrapped = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
-    assert wrapped == set(lora_config(cfg, model_type).target_modules)
-    per_block = sum(1 for n, m in model.named_modules() if hasattr(m, "lora_A") and ".0." in n)
-    assert per_block >= 4  # attention and MLP both adapted
-
-
-ERRORS = [
-    ("lora_with_tp", ["--model_name_or_path", "builtin:llama-tiny", "--strategy", "tp", "--tp_size", "2",
-                      "--lora_r", "8"], "model.lora_r", "zero3_offload, pipeline"),
-    ("lora_with_sp", ["--model_name_or_path", "builtin:llama-tiny", "--strategy", "sp", "--sp_size", "2",
-                      "--lora_r", "8"], "model.lora_r", "strategy sp"),
-    ("target_not_in_model", ["--lora_r", "8", "--lora_target_modules", "c_attn,q_proj"], "model.lora_target_modules",
-     "q_proj match(es) no module of gpt2"),
-    ("target_not_linear", ["--lora_r", "8", "--lora_target_modules", "ln_1"], "model.lora_target_modules",
-     "cannot wrap ln_1 (LayerNorm)"),
-    ("negative_rank", ["--lora_r", "-1"], "model.lora_r", "must be >= 0"),
-    ("zero_alpha", ["--lora_r", "8", "--lora_alpha", "0"], "model.lora_alpha", "must be > 0"),
-    ("dropout_one", ["--lora_r", "8", "--lora_dropout", "1.0"], "model.lora_dropout", "[0, 1)"),
-    ("targets_without_rank", ["--lora_target_modules", "c_attn"], "model.lora_target_modules", "lora_r is 0"),
-    ("merged_push_without_lora", ["--hub_push_merged"], "hub.hub_push_merged", "lora_r is 0"),
-]
-
-
-@pytest.mark.parametrize("case_id,args,field,words", ERRORS, ids=[c[0] for c in ERRORS])
-def test_bad_lora_options_are_one_clear_line(case_id, args, field, words, tmp_path, capsys):
-    import torch.distributed as dist
-
-    from hftk.run import main
-
-    out = tmp_path / "out"
-    assert main([*TINY_ARGS, "--output_dir", str(out), *args]) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"hftk: error: {field}:") and words in lines[0], lines
-    assert "Fix:" in lines[0] and not dist.is_initialized() and not out.exists()
-
-
-def test_merge_of_a_full_model_checkpoint_is_refused(tmp_path):
-    from hftk.errors import HftkError
-    from hftk.export import export
-
-    (tmp_path / "checkpoint-1").mkdir()
-    with pytest.raises(HftkError, match=r"--merge: .* holds no LoRA adapter"):
-        export(tmp_path / "checkpoint-1", tmp_path / "out", merge=True)
-
-
-def test_base_model_without_merge_is_one_clear_line(tmp_path, capsys):
-    from hftk.cli import main
-
-    assert main(["export", str(tmp_path), str(tmp_path / "out"), "--base_model", "gpt2"]) == 2
-    err = capsys.readouterr().err
-    assert err == "hftk: error: --base_model: only matters with --merge. Fix: add --merge, or drop --base_model.\n"

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from hftk.errors import HftkError
 from tests.helpers import ROOT, TINY_ARGS, losses, metrics, require_ranks, tiny_eval_loss, torchrun
 
 WORKER = ROOT / "tests" / "workers" / "matrix_cells.py"
@@ -163,76 +162,3 @@ def test_merged_export_is_the_dequantized_base_plus_adapter(runs, tmp_path):
         assert export_main([str(runs / "ddp-gpt2-4bit" / folder), str(tmp_path / folder), "--merge"]) == 0
         merged[folder] = AutoModelForCausalLM.from_pretrained(tmp_path / folder).state_dict()
     assert all(torch.equal(merged["final"][k], merged[f"checkpoint-{STEPS}"][k]) for k in merged["final"])
-
-
-@pytest.mark.parametrize("model,bits,double_quant", [("builtin:gpt2-tiny", 4, True), ("builtin:llama-tiny", 4, False),
-                                                      ("builtin:llama-tiny", 8, False)])
-def test_plan_counts_the_quantized_base_as_loaded(model, bits, double_quant):
-    """The plan's bytes of a quantized base + r=8 adapters equal what memory.model_state_bytes counts on
-    the real model (transformers + bitsandbytes + PEFT), within 3% (per-layer block rounding)."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from hftk.builtin import builtin_model_config, materialize_model
-    from hftk.config import ModelConfig
-    from hftk.lora import lora_config
-    from hftk.memory import model_state_bytes
-    from hftk.plan import PlanInputs, estimate, model_shape
-
-    config = (BitsAndBytesConfig(load_in_8bit=True) if bits == 8 else BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=torch.float32))
-    base = AutoModelForCausalLM.from_pretrained(materialize_model(model), quantization_config=config,
-                                                device_map={"": "cpu"})
-    options = ModelConfig(lora_r=8, load_in_4bit=bits == 4, load_in_8bit=bits == 8)
-    peft = get_peft_model(prepare_model_for_kbit_training(base, use_gradient_checkpointing=False),
-                          lora_config(options, base.config.model_type))
-    counted = model_state_bytes(peft)["params"]
-    inputs = PlanInputs(world_size=1, device_memory_bytes=2**30, device="cpu", quant_bits=bits,
-                        double_quant=double_quant)
-    planned = estimate("ddp", model_shape(builtin_model_config(model), 8), inputs).params
-    assert planned == pytest.approx(counted, rel=0.03)
-    unquantized = estimate("ddp", model_shape(builtin_model_config(model), 8), PlanInputs(1, 2**30)).params
-    assert planned < 0.8 * unquantized  # embeddings (half of these tiny models) stay fp32
-
-
-def test_plan_command_plans_qlora_for_the_strategies_that_train_it(capsys):
-    from hftk.cli import main
-
-    assert main(["plan", "--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "1", "--lora_r",
-                 "8", "--load_in_4bit", "--optim", "adamw_bnb_8bit", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert [p["strategy"] for p in out["plans"]] == ["ddp", "fsdp"] and out["inputs"]["quant_bits"] == 4
-    assert out["inputs"]["optim_bits"] == 8
-    assert main(["plan", "--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "1",
-                 "--load_in_4bit"]) == 2  # a quantized base trains only adapters
-
-
-def refusal(args: list[str], monkeypatch) -> HftkError:
-    from hftk.run import prepare
-
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(HftkError) as err:
-        prepare([*TINY_ARGS, *args])
-    return err.value
-
-
-@pytest.mark.parametrize("args,field,words", [
-    (["--load_in_4bit"], "model.load_in_4bit", "cannot be fully fine-tuned"),
-    (["--load_in_8bit"], "model.load_in_8bit", "cannot be fully fine-tuned"),
-    (["--use_dora"], "model.use_dora", "lora_r is 0"),
-    (["--lora_r", "8", "--load_in_4bit", "--load_in_8bit"], "model.load_in_8bit", "both set"),
-    (["--lora_r", "8", "--load_in_4bit", "--strategy", "zero3"], "model.load_in_4bit", "ZeRO-3"),
-    (["--lora_r", "8", "--load_in_8bit", "--strategy", "zero2"], "model.load_in_8bit", "ZeRO-1/2"),
-    (["--lora_r", "8", "--load_in_4bit", "--strategy", "pipeline"], "model.load_in_4bit", "pipeline"),
-    (["--lora_r", "8", "--load_in_4bit", "--strategy", "tp"], "model.lora_r", "tp"),
-    (["--lora_r", "8", "--load_in_8bit", "--strategy", "fsdp"], "model.load_in_8bit", "int8"),
-])
-def test_bad_quantization_options_are_refused_by_name(args, field, words, monkeypatch, tmp_path):
-    err = refusal([*args, "--output_dir", str(tmp_path)], monkeypatch)
-    assert err.field == field and words in err.problem, (err.field, err.problem)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="paged optimizers run on a GPU")
-def test_paged_optimizer_is_refused_without_a_gpu(monkeypatch, tmp_path):
-    err = refusal(["--optim", "paged_adamw_8bit", "--output_dir", str(tmp_path)], monkeypatch)
-    assert err.field == "training.optim" and "adamw_8bit" in err.fix

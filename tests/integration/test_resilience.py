@@ -19,9 +19,9 @@ import torch
 
 from hftk.checkpoint import COMPLETE_MARKER, STAGING_DIR, is_complete, list_checkpoints
 from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED
-from tests.faults import (RUN_ARGS, SAVE_STEPS, STEPS, fault_step, reference_run, side_by_side, start,
-                          wait_for_step, worker_pid)
-from tests.helpers import ROOT, TINY_ARGS, Launch, free_port, load_weights, losses, max_weight_diff, metrics
+from tests.faults import (RUN_ARGS, SAVE_STEPS, STEPS, fault_step, reference_run, side_by_side, start, wait_for_step,
+                          worker_pid)
+from tests.helpers import Launch, ROOT, TINY_ARGS, free_port, load_weights, losses, max_weight_diff, metrics
 
 pytestmark = pytest.mark.slow
 WORKERS = ROOT / "tests" / "workers"
@@ -236,15 +236,6 @@ def test_sigterm_during_evaluation_saves_within_the_grace_period_and_exits_75(ev
     assert "Unable to shutdown process" not in stopped.stderr  # torchrun never had to SIGKILL
 
 
-@pytest.fixture(scope="module")
-def eval_reference(tmp_path_factory):
-    """The Trainer run of EVAL_ARGS, uninterrupted."""
-    out = tmp_path_factory.mktemp("eval_reference") / "run"
-    result = start(2, [*EVAL_ARGS, *ENGINES["trainer"]], out).finish(timeout=400)
-    assert result.returncode == 0, result.output[-6000:]
-    return out
-
-
 def test_a_checkpoint_saved_in_an_interrupted_evaluation_resumes(eval_preempted, request):
     root, _, _, _, resumed = eval_preempted
     assert resumed.returncode == 0, resumed.output[-6000:]
@@ -413,20 +404,6 @@ def test_restarts_torch_cannot_carry_out_are_refused_before_training(elastic_env
             check_restartable(elastic_envs[name])
     else:
         check_restartable(elastic_envs[name])
-
-
-def test_sigusr1_is_a_preemption_signal_too():
-    """SLURM's --signal=USR1@N warns this way: the handler records it instead of the process dying."""
-    from hftk.resilience import PreemptionSignal
-
-    preemption = PreemptionSignal()
-    preemption.install()
-    try:
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert preemption.received == signal.SIGUSR1
-    finally:
-        preemption.uninstall()
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
 # ------------------------------------------------------------------ a tokenisation longer than ddp_timeout

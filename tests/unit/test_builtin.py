@@ -6,14 +6,11 @@ skipped once won the rename race and cached a folder without weights (a clean-cl
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch.distributed as dist
 
 from hftk.builtin import WEIGHTS, materialize_model
 from hftk.errors import HftkError
-from tests.helpers import torchrun
 
 NAME = "builtin:gpt2-tiny"
 
@@ -40,34 +37,3 @@ def test_an_incomplete_cached_folder_is_named_not_loaded(cache):
     (folder / WEIGHTS).unlink()
     with pytest.raises(HftkError, match=f"lacks {WEIGHTS} .*Fix: delete {folder}"):
         materialize_model(NAME)
-
-
-def test_a_rank_transformers_skips_never_publishes_a_folder(cache, tmp_path):
-    """Rank 1 materialises inside a process group while rank 0 waits: it must fail by name, not cache
-    a folder without weights; rank 0, in its turn, writes the complete one."""
-    worker = tmp_path / "worker.py"
-    worker.write_text(textwrap.dedent(f"""
-        import sys
-        import torch.distributed as dist
-        from hftk.builtin import WEIGHTS, materialize_model
-        from hftk.errors import HftkError
-
-        dist.init_process_group("gloo")
-        rank = dist.get_rank()
-        if rank == 1:
-            try:
-                materialize_model("{NAME}")
-                print("RANK1 wrote", flush=True)
-            except HftkError as exc:
-                print("RANK1 refused:", exc, flush=True)
-        dist.barrier()
-        if rank == 0:
-            print("RANK0 complete:", (materialize_model("{NAME}") / WEIGHTS).is_file(), flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
-    """))
-    result = torchrun(2, worker, [], timeout=180, env={"HFTK_CACHE": str(cache)})
-    assert result.returncode == 0, result.output[-4000:]
-    assert f"RANK1 refused: model.model_name_or_path: the folder of {NAME} lacks config.json, {WEIGHTS}" \
-        in result.output, result.output[-4000:]
-    assert "RANK0 complete: True" in result.output

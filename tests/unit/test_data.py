@@ -1,5 +1,7 @@
-"""Conversational and instruction formats through ``hftk.run.prepare``: detection, conversion, bad rows,
-long conversations, several datasets, and bad input (one line naming the field and the fix, exit 2)."""
+"""The data pipeline (hftk.data) through ``hftk.run.prepare``: conversational and instruction formats
+(detection, conversion, bad rows, long conversations, several datasets, bad input in one line), and
+plain text and prompt/completion files (pad token, prompt masking, packing with a held-out eval split,
+local file formats)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import json
 import pytest
 
 from hftk.chat import IGNORE_INDEX
-from hftk.data import tokenize_sources
+from hftk.config import DataConfig, ModelConfig
+from hftk.data import check_raw, collator, eval_line, load_raw, tokenize_and_pack, tokenize_sources
 from hftk.modeling import load_tokenizer
 from hftk.run import prepare
 
@@ -257,3 +260,72 @@ def test_only_the_splits_the_run_reads_are_checked(tmp_path):
         datasets.load_from_disk(str(folder))[split].to_json(str(tmp_path / "hub" / f"{split}.jsonl"))
     p = prepare([*CHAT, "--dataset", str(tmp_path / "hub"), "--output_dir", str(tmp_path / "o")])
     assert list(p.raw) == ["train"] and len(p.raw["train"]) == 1
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(ModelConfig(model_name_or_path="builtin:gpt2-tiny"))
+
+
+def test_pad_token_is_set_when_missing(tokenizer):
+    assert tokenizer.pad_token is not None and tokenizer.pad_token == tokenizer.eos_token
+
+
+def test_prompt_tokens_are_masked_exactly(tmp_path, tokenizer):
+    example = {"prompt": "Question: who made the heaven?\nAnswer:", "completion": " God made the heaven."}
+    (tmp_path / "pc.jsonl").write_text(json.dumps(example) + "\n")
+    cfg = DataConfig(dataset=str(tmp_path / "pc.jsonl"), block_size=64, packing="none", eval_fraction=0)
+    raw = load_raw(cfg)
+    fmt = check_raw(cfg, raw)
+    assert fmt == "prompt_completion"
+    row = tokenize_and_pack(cfg, raw, tokenizer, fmt, seed=0).train[0]
+    prompt_ids = tokenizer(example["prompt"], add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(example["completion"], add_special_tokens=False)["input_ids"]
+    n_p, n_c = len(prompt_ids), len(completion_ids) + 1  # + eos
+    labels, ids = row["labels"].tolist(), row["input_ids"].tolist()
+    assert ids[:n_p] == prompt_ids
+    assert labels[:n_p] == [IGNORE_INDEX] * n_p
+    assert labels[n_p:n_p + n_c] == completion_ids + [tokenizer.eos_token_id]
+    assert len(labels) == n_p + n_c  # one example per row, unpadded: the collator pads each batch
+    batch = collator(cfg, tokenizer.pad_token_id, fixed_length=64)([row])
+    assert batch["labels"][0, n_p + n_c:].tolist() == [IGNORE_INDEX] * (64 - n_p - n_c)  # padding is not trained on
+    assert batch["attention_mask"][0].tolist() == [1] * (n_p + n_c) + [0] * (64 - n_p - n_c)
+
+
+def test_packing_makes_full_blocks_and_holds_out_eval(tokenizer):
+    cfg = DataConfig(block_size=32, packing="concat", max_train_samples=400, eval_fraction=0.1)
+    raw = load_raw(cfg)
+    data = tokenize_and_pack(cfg, raw, tokenizer, check_raw(cfg, raw), seed=0)
+    assert len(data.train) > 10 and data.eval is not None and len(data.eval) > 0
+    assert all(len(r) == 32 for r in data.train["input_ids"][:20])
+    assert (data.train["labels"][:20] == data.train["input_ids"][:20]).all()
+
+
+def test_max_eval_samples_caps_the_eval_blocks_after_the_split(tokenizer):
+    def blocks(**cap):
+        cfg = DataConfig(block_size=32, packing="concat", max_train_samples=400, eval_fraction=0.1, **cap)
+        raw = load_raw(cfg)
+        return cfg, tokenize_and_pack(cfg, raw, tokenizer, check_raw(cfg, raw), seed=0)
+
+    _, full = blocks()
+    cfg, capped = blocks(max_eval_samples=5)
+    assert len(full.eval) > 5 and len(capped.eval) == 5
+    assert capped.eval[:]["input_ids"].tolist() == full.eval[:5]["input_ids"].tolist()  # same split, first blocks
+    assert capped.train[:]["input_ids"].tolist() == full.train[:]["input_ids"].tolist()  # training data untouched
+    assert len(blocks(max_eval_samples=10**6)[1].eval) == len(full.eval)
+    assert eval_line(cfg, 5, 2, 2) == ("hftk: evaluation: 5 blocks of 32 tokens, 2 batches of 2 per rank over 2 "
+                                       "data-parallel rank(s) per evaluation (capped by data.max_eval_samples=5)")
+    assert "1 batches of 8 per rank over 1" in eval_line(DataConfig(), 3, 8, 1)
+
+
+@pytest.mark.parametrize("suffix,write", [
+    ("txt", lambda p: p.write_text("line one of text\nline two of text\n")),
+    ("csv", lambda p: p.write_text("text\nline one of text\nline two\n")),
+    ("parquet", lambda p: __import__("datasets").Dataset.from_dict({"text": ["a b c", "d e f"]}).to_parquet(str(p))),
+])
+def test_local_file_formats(tmp_path, suffix, write):
+    path = tmp_path / f"d.{suffix}"
+    write(path)
+    cfg = DataConfig(dataset=str(path))
+    raw = load_raw(cfg)
+    assert check_raw(cfg, raw) == "text" and len(raw["train"]) == 2

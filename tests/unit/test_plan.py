@@ -1,22 +1,16 @@
-"""The memory plan: shapes from the meta device, per-strategy bytes within 5% of what each rank
-really holds (2 ranks, every strategy, with what its generated YAML launches), `auto`, and errors."""
+"""The memory plan in one process (hftk.plan): shapes from the meta device, LoRA and quantized bases,
+the sharding order, ``auto``'s pick, the ``hftk plan`` command and its errors."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
+import torch
 
-from hftk import allocator
 from hftk.builtin import builtin_model_config
-from hftk.plan import GIB, HEADROOM, MIB, PLAN_STRATEGIES, PlanInputs, estimate, model_shape, pick, plan, resolve_auto
-from tests.helpers import FINETUNE, ROOT, TINY_ARGS, finetune_cells, free_port, metrics, run, torchrun
-
-ACCELERATE = Path(sys.executable).with_name("accelerate")
-MICRO_BATCH = 4
-TOLERANCE = 0.05
+from hftk.plan import GIB, HEADROOM, PLAN_STRATEGIES, PlanInputs, estimate, model_shape, pick, plan, resolve_auto
+from tests.helpers import TINY_ARGS
 
 
 @pytest.fixture(scope="module")
@@ -173,82 +167,43 @@ def test_plan_bad_input_is_one_line(case, args, field, capsys):
     assert len(err) == 1 and err[0].startswith(f"hftk: error: {field}: ") and "Fix:" in err[0], err
 
 
-# ---- plan accuracy: every strategy, 2 ranks, launched through its generated YAML ----
+@pytest.mark.parametrize("model,bits,double_quant", [("builtin:gpt2-tiny", 4, True), ("builtin:llama-tiny", 4, False),
+                                                      ("builtin:llama-tiny", 8, False)])
+def test_plan_counts_the_quantized_base_as_loaded(model, bits, double_quant):
+    """The plan's bytes of a quantized base + r=8 adapters equal what memory.model_state_bytes counts on
+    the real model (transformers + bitsandbytes + PEFT), within 3% (per-layer block rounding)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    """One short run per strategy (2 optimizer steps, 2 ranks), each with what accelerate_configs/<s>.yaml
-    launches; ddp's through `--strategy auto`, which must pick it for the tiny model.
+    from hftk.builtin import builtin_model_config, materialize_model
+    from hftk.config import ModelConfig
+    from hftk.lora import lora_config
+    from hftk.memory import model_state_bytes
+    from hftk.plan import PlanInputs, estimate, model_shape
 
-    `accelerate launch` of each YAML starts tests/workers/launch_probe.py (2 real ranks report the strategy
-    hftk reads and hand back the ACCELERATE_* / FSDP_* variables the launch set); the six measured runs then
-    share one 2-rank launch, each cell with its YAML's variables (``finetune_cells``): a full launch per
-    strategy cost 20-60 s of start-up each."""
-    root = tmp_path_factory.mktemp("plan")
-    probes, options, cells = {}, {}, {}
-    for strategy in PLAN_STRATEGIES:
-        env_out = root / f"{strategy}.env.json"
-        cmd = [str(ACCELERATE), "launch", "--config_file", f"accelerate_configs/{strategy}.yaml",
-               "--main_process_port", str(free_port()), str(ROOT / "tests" / "workers" / "launch_probe.py"), str(env_out)]
-        launch = run(cmd, timeout=300)
-        assert launch.returncode == 0, f"{strategy}:\n{launch.output[-5000:]}"
-        probes[strategy] = [json.loads(line[len("PROBE "):]) for line in launch.stdout.splitlines()
-                            if line.startswith("PROBE ")]
-        options[strategy] = {"env": json.loads(env_out.read_text()), "memory_out": root / f"{strategy}.json"}
-        cells[strategy] = ["--max_steps", "2", "--per_device_train_batch_size", str(MICRO_BATCH),
-                           "--comm_profile_steps", "0", "--output_dir", str(root / strategy),
-                           *(["--strategy", "auto"] if strategy == "ddp" else [])]
-    outputs = finetune_cells(2, cells, root, options=options)
-    return {s: (json.loads((root / f"{s}.json").read_text()), outputs[s], probes[s]) for s in PLAN_STRATEGIES}
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(3600)  # the first one launches every strategy
-@pytest.mark.parametrize("strategy", PLAN_STRATEGIES)
-def test_plan_predicts_each_ranks_model_state_within_5_percent(measured, tiny_shape, strategy):
-    record, stdout, probes = measured[strategy]
-    # the YAML's real launch: 2 ranks, each reading the YAML's strategy (ddp's says none: auto decides)
-    assert sorted(p["rank"] for p in probes) == [0, 1] and all(p["world"] == 2 and p["sum"] == 2 for p in probes)
-    assert all(p["strategy"] == (None if strategy == "ddp" else strategy) for p in probes), probes
-    assert record["strategy"] == strategy and record["world_size"] == 2  # the YAML chose it, 2 real ranks
-    expected = "hftk: strategy auto -> ddp" if strategy == "ddp" else f"hftk: strategy {strategy} from the launch"
-    assert expected in stdout
-    predicted = estimate(strategy, tiny_shape, PlanInputs(world_size=2, device_memory_bytes=GIB, seq_len=64,
-                                                          micro_batch=MICRO_BATCH, device="cpu"))
-    for rank, counted in enumerate(record["ranks"]):
-        error = predicted.model_state / counted["total"] - 1
-        assert abs(error) <= TOLERANCE, (strategy, rank, predicted.to_dict(), counted)
+    config = (BitsAndBytesConfig(load_in_8bit=True) if bits == 8 else BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=torch.float32))
+    base = AutoModelForCausalLM.from_pretrained(materialize_model(model), quantization_config=config,
+                                                device_map={"": "cpu"})
+    options = ModelConfig(lora_r=8, load_in_4bit=bits == 4, load_in_8bit=bits == 8)
+    peft = get_peft_model(prepare_model_for_kbit_training(base, use_gradient_checkpointing=False),
+                          lora_config(options, base.config.model_type))
+    counted = model_state_bytes(peft)["params"]
+    inputs = PlanInputs(world_size=1, device_memory_bytes=2**30, device="cpu", quant_bits=bits,
+                        double_quant=double_quant)
+    planned = estimate("ddp", model_shape(builtin_model_config(model), 8), inputs).params
+    assert planned == pytest.approx(counted, rel=0.03)
+    unquantized = estimate("ddp", model_shape(builtin_model_config(model), 8), PlanInputs(1, 2**30)).params
+    assert planned < 0.8 * unquantized  # embeddings (half of these tiny models) stay fp32
 
 
-# ---- auto's budget holds as a user launches: no allocator variables, default telemetry ----
+def test_plan_command_plans_qlora_for_the_strategies_that_train_it(capsys):
+    from hftk.cli import main
 
-@pytest.mark.slow
-def test_auto_budget_holds_without_any_allocator_setting(tmp_path, monkeypatch):
-    """gpt2-90m on 2 gloo ranks under a budget only a sharded strategy fits: every rank's measured
-    training-phase peak RSS stays under it. The test sets no MALLOC_* variable (hftk.allocator tunes
-    glibc itself; with glibc's defaults FSDP's peak was twice the plan's). The same run shows the
-    evaluation line: blocks capped by data.max_eval_samples, batches per rank."""
-    for name in [*allocator.SETTINGS, "GLIBC_TUNABLES"]:
-        monkeypatch.delenv(name, raising=False)
-    shape = model_shape(builtin_model_config("builtin:gpt2-90m"))
-    inputs = PlanInputs(world_size=2, device_memory_bytes=GIB, seq_len=32, micro_batch=1, device="cpu")
-    plans = {p.strategy: p for p in plan(shape, inputs)}
-    budget = plans["fsdp"].device_total / (1 - HEADROOM) * 1.01
-    usable = budget * (1 - HEADROOM)
-    assert plans["ddp"].device_total > usable and plans["zero2"].device_total > usable  # only sharding fits
-    out = tmp_path / "out"
-    launch = torchrun(2, FINETUNE, [
-        "--model_name_or_path", "builtin:gpt2-90m", "--block_size", "32", "--per_device_train_batch_size", "1",
-        "--max_steps", "4", "--max_train_samples", "400", "--eval_fraction", "0.1", "--max_eval_samples", "6",
-        "--per_device_eval_batch_size", "2", "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none",
-        "--logging_steps", "1", "--disable_tqdm", "true", "--strategy", "auto",
-        "--device_memory_gb", f"{budget / GIB:.4f}", "--output_dir", str(out)], timeout=900)
-    assert launch.returncode == 0, launch.output[-5000:]
-    assert "hftk: strategy auto -> fsdp (" in launch.stdout
-    assert launch.stdout.count("hftk: evaluation: 6 blocks of 32 tokens, 2 batches of 2 per rank over 2 "
-                               "data-parallel rank(s) per evaluation (capped by data.max_eval_samples=6)") == 1
-    windows = [m for m in metrics(out) if "rank_stats" in m]
-    assert len(windows) == 4 and all(m["peak_mem_kind"] == "rss_hwm" for m in windows)
-    peaks = [max(m["rank_stats"]["peak_mem_mb"][rank] for m in windows) * MIB for rank in range(2)]
-    assert all(peak < budget for peak in peaks), (f"peak RSS per rank {[round(p / MIB) for p in peaks]} MiB, budget "
-                                                 f"{budget / MIB:.0f} MiB, plan {plans['fsdp'].device_total / MIB:.0f}")
+    assert main(["plan", "--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "1", "--lora_r",
+                 "8", "--load_in_4bit", "--optim", "adamw_bnb_8bit", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["strategy"] for p in out["plans"]] == ["ddp", "fsdp"] and out["inputs"]["quant_bits"] == 4
+    assert out["inputs"]["optim_bits"] == 8
+    assert main(["plan", "--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "1",
+                 "--load_in_4bit"]) == 2  # a quantized base trains only adapters

@@ -1,17 +1,18 @@
-"""fp16 and the NaN guard, in one process: an overflow the AMP loss scaler skips is not a
+"""fp16 and the NaN guard (hftk.resilience), in one process: an overflow the AMP loss scaler skips is not a
 non-finite step (a real ``torch.amp.GradScaler`` on CPU, the guard's decision function and the
-Trainer callback itself), a collapsed scale is; fp16 weights with ``--fp16`` are refused before launch."""
+Trainer callback itself), a collapsed scale is; SIGUSR1 is a preemption signal."""
 
 from __future__ import annotations
 
+import os
+import signal
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from hftk.errors import HftkError
-from hftk.resilience import EXIT_NONFINITE, MIN_LOSS_SCALE, StepGuard, active_scaler, counts_as_nonfinite, nonfinite_gradients
-from tests.helpers import TINY_ARGS
+from hftk.resilience import (EXIT_NONFINITE, MIN_LOSS_SCALE, StepGuard, active_scaler, counts_as_nonfinite,
+                             nonfinite_gradients)
 
 
 def _overflowed(param: torch.nn.Parameter) -> None:
@@ -70,24 +71,16 @@ def test_step_guard_stops_on_a_nonfinite_step_without_a_scaler():
     assert all(p.grad is None for p in model.parameters())  # the update is dropped
 
 
-def _refusal(args, tmp_path, monkeypatch):
-    from hftk.run import prepare
+@pytest.mark.slow  # as in the multi-process file it came from
+def test_sigusr1_is_a_preemption_signal_too():
+    """SLURM's --signal=USR1@N warns this way: the handler records it instead of the process dying."""
+    from hftk.resilience import PreemptionSignal
 
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    preemption = PreemptionSignal()
+    preemption.install()
     try:
-        prepare([*TINY_ARGS, "--output_dir", str(tmp_path / "out"), *args])
-    except HftkError as exc:
-        return exc
-    return None
-
-
-def test_fp16_weights_with_fp16_training_are_refused_before_launch(tmp_path, monkeypatch):
-    exc = _refusal(["--fp16", "--model_dtype", "float16"], tmp_path, monkeypatch)
-    assert exc is not None and exc.field == "model.model_dtype" and "model_dtype float32" in str(exc), exc
-
-
-@pytest.mark.parametrize("args", [["--lora_r", "4"], ["--strategy", "zero3"]], ids=["lora", "zero3"])
-def test_fp16_weights_are_fine_where_fp32_master_weights_exist(args, tmp_path, monkeypatch):
-    """PEFT keeps adapters in fp32; DeepSpeed keeps its own fp32 master copy."""
-    exc = _refusal(["--fp16", "--model_dtype", "float16", *args], tmp_path, monkeypatch)
-    assert exc is None or exc.field != "model.model_dtype", exc
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.received == signal.SIGUSR1
+    finally:
+        preemption.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL

@@ -24,8 +24,11 @@ from typing import Any
 import pytest
 import yaml
 
-from hftk.config import SECTIONS
-from tests.helpers import FINETUNE, torchrun
+from hftk.checkpoint import COMPLETE_MARKER, seal
+from hftk.config import SECTIONS, load_config
+from hftk.errors import HftkError
+from hftk.validate import check_world_change
+from tests.helpers import TINY_ARGS
 
 HUGE = 10**12
 
@@ -293,72 +296,99 @@ def test_bad_input(case, workdir, capsys, monkeypatch):
     assert len(lines) == 1 and lines[0].startswith("hftk: error: "), err
     assert case.names in lines[0] and "Fix:" in lines[0], lines[0]
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("args,named", [
-    (["--strategy", "pipeline", "--pp_size", "3"], "strategy.pp_size"),
-    (["--strategy", "zero2", "--grad_compression", "powersgd"], "grad_compression"),
-])
-def test_launcher_prints_an_input_error_once(args, named, tmp_path):
-    """Under torchrun: rank 0's line is hftk's first output line, no rank prints it twice, every rank exits 2."""
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine\n")
-    result = torchrun(2, FINETUNE, ["--model_name_or_path", "builtin:gpt2-tiny", "--output_dir", str(out), *args],
-                      timeout=240)
-    assert result.returncode != 0
-    ours = [line for line in result.stderr.splitlines() if line.startswith("hftk")]
-    assert len(ours) == 1 and ours[0].startswith("hftk: error: ") and named in ours[0], result.stderr[-3000:]
-    before_launcher = result.stderr.split("ChildFailedError")[0]
-    assert "Traceback" not in before_launcher.split(ours[0])[0], result.stderr[-3000:]
-    codes = [line.split(":")[1].split()[0] for line in result.stderr.splitlines() if line.strip().startswith("exitcode")]
-    assert codes and all(code in ("2", "-15") for code in codes) and "2" in codes, result.stderr[-3000:]
-    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
-
-
-def _sealed_checkpoint(folder: Path) -> Path:
-    """A checkpoint folder as hftk publishes it: a weights file, trainer state, the seal last."""
-    import torch
-    from safetensors.torch import save_file
-
-    from hftk.checkpoint import seal
-
+def sealed_by(folder, world: int, global_batch: int | None):
+    """A sealed checkpoint folder as ``world`` ranks with ``global_batch`` would have left it."""
     folder.mkdir(parents=True)
-    save_file({"w": torch.arange(64, dtype=torch.float32)}, str(folder / "model.safetensors"))
     (folder / "trainer_state.json").write_text("{}")
-    seal(folder, step=3)
+    seal(folder, 5)
+    marker = json.loads((folder / COMPLETE_MARKER).read_text())
+    (folder / COMPLETE_MARKER).write_text(json.dumps({**marker, "world_size": world, "global_batch": global_batch}))
     return folder
 
 
-@pytest.mark.parametrize("damage,named", [
-    ("unsealed", "hftk_complete.json"),
-    ("truncated", "model.safetensors"),
-    ("header", "model.safetensors"),
-    ("missing", "trainer_state.json"),
+@pytest.mark.parametrize("strategy, args, needle", [
+    ("zero3_offload", [], "zero3_offload's per-rank checkpoint pieces cannot be split or joined across ranks. "
+                          "Fix: resume with 2 ranks, or start a new run from its weights (`hftk export "
+                          "CHECKPOINT OUT`"),
+    ("zero3", [], "zero3's per-rank checkpoint pieces"),  # see OTHER_WORLD_SIZE_FIX in hftk/strategies/deepspeed.py
+    ("zero2", [], "the global batch would be 2 instead of 4"),  # converted to a universal checkpoint: batch kept only
+    ("pipeline", ["--pp_size", "2"], "pipeline's per-rank checkpoint pieces cannot be split or joined across ranks. "
+                                     "Fix: resume with 2 ranks."),
+    ("tp", [], "the global batch would be 2 instead of 4: the data position would not continue "
+                               "where it stopped. Fix: keep its global batch of 4: --gradient_accumulation_steps 2"),
+    ("sp", [], "the global batch would be 2 instead of 4"),
+    ("ddp", ["--grad_compression", "fp16"], "per-rank gradient compression state cannot be split"),
+    ("ddp", [], "the global batch would be 2 instead of 4: the data position would not continue where it stopped. "
+                "Fix: keep its global batch of 4: --gradient_accumulation_steps 2 with --per_device_train_batch_size 2."),
+    ("fsdp", [], "the global batch would be 2 instead of 4"),
 ])
-def test_explicit_resume_is_checked_like_latest(damage, named, tmp_path, capsys):
-    """``--resume_from_checkpoint PATH``: the seal and the file headers are checked before launch, the file named."""
-    ckpt = _sealed_checkpoint(tmp_path / "old" / "checkpoint-3")
-    weights = ckpt / "model.safetensors"
-    if damage == "unsealed":
-        (ckpt / "hftk_complete.json").unlink()
-    elif damage == "truncated":
-        weights.write_bytes(weights.read_bytes()[:-10])
-    elif damage == "header":  # same size, header bytes overwritten: only reading the header finds it
-        data = bytearray(weights.read_bytes())
-        data[8:20] = b"\xff" * 12
-        weights.write_bytes(bytes(data))
-    else:
-        (ckpt / "trainer_state.json").unlink()
-    argv = ["--model_name_or_path", "builtin:gpt2-tiny", "--output_dir", str(tmp_path / "out"), "--report_to", "none",
-            "--resume_from_checkpoint", str(ckpt)]
-    assert attempt(argv, tokenize=False) == 2
-    line = capsys.readouterr().err.strip()
-    assert line.startswith("hftk: error: training.resume_from_checkpoint") and named in line, line
-    assert "\n" not in line
+def test_a_resume_at_another_world_size_that_would_not_be_exact_is_refused_in_one_line(strategy, args, needle,
+                                                                                          tmp_path):
+    folder = sealed_by(tmp_path / "run" / "checkpoint-5", world=2, global_batch=4)
+    cfg = load_config([*TINY_ARGS, "--per_device_train_batch_size", "2", "--strategy", strategy, *args,
+                       "--output_dir", str(tmp_path / "run")])
+    with pytest.raises(HftkError) as caught:
+        check_world_change(cfg, folder, world_size=1)
+    line = caught.value.one_line()
+    assert line.startswith(f"training.resume_from_checkpoint: {folder} was saved by 2 ranks; this launch has 1"), line
+    assert needle in line, line
 
 
-def test_an_intact_explicit_checkpoint_passes_the_check(tmp_path):
-    from hftk.checkpoint import check_resumable
+def test_a_resharding_resume_from_a_seal_without_a_global_batch_is_refused(tmp_path):
+    folder = sealed_by(tmp_path / "run" / "checkpoint-5", world=2, global_batch=None)
+    cfg = load_config([*TINY_ARGS, "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "run")])
+    with pytest.raises(HftkError, match="its seal records no global batch to continue the data position from. "
+                                        "Fix: resume with 2 ranks."):
+        check_world_change(cfg, folder, world_size=1)
 
-    check_resumable(_sealed_checkpoint(tmp_path / "checkpoint-3"))  # raises on any problem
+
+def test_a_resume_at_another_world_size_with_the_global_batch_kept_passes(tmp_path):
+    folder = sealed_by(tmp_path / "run" / "checkpoint-5", world=2, global_batch=4)
+    for strategy in ("ddp", "fsdp", "zero1", "zero2"):
+        cfg = load_config([*TINY_ARGS, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                           "--strategy", strategy, "--output_dir", str(tmp_path / "run")])
+        check_world_change(cfg, folder, world_size=1)
+    for strategy, sizes in (("tp", ["--tp_size", "2", "--dp_shard_size", "-1"]),  # 2 data-parallel ranks x 2
+                            ("cp", ["--cp_size", "2", "--dp_replicate_size", "2"]), ("sp", ["--sp_size", "2"])):
+        cfg = load_config([*TINY_ARGS, "--per_device_train_batch_size", "2", "--strategy", strategy, *sizes,
+                           "--output_dir", str(tmp_path / "run")])
+        check_world_change(cfg, folder, world_size=4)
+    cfg = load_config([*TINY_ARGS, "--strategy", "zero2", "--output_dir", str(tmp_path / "run")])
+    check_world_change(cfg, folder, world_size=2)  # the same world size: nothing to check
+
+def test_the_world_size_check_runs_before_any_process_group(tmp_path, monkeypatch):
+    """``latest`` resolved and checked in ``prepare``: the refusal comes before the launch does anything."""
+    import torch.distributed as dist
+
+    from hftk.run import prepare
+
+    sealed_by(tmp_path / "run" / "checkpoint-5", world=2, global_batch=4)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(HftkError, match=r"was saved by 2 ranks; this launch has 1, and the global batch would be 2"):
+        prepare([*TINY_ARGS, "--per_device_train_batch_size", "2", "--output_dir", str(tmp_path / "run"),
+                 "--resume_from_checkpoint", "latest"])
+    assert not dist.is_initialized()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-5"]
+
+
+def _refusal(args, tmp_path, monkeypatch):
+    from hftk.run import prepare
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    try:
+        prepare([*TINY_ARGS, "--output_dir", str(tmp_path / "out"), *args])
+    except HftkError as exc:
+        return exc
+    return None
+
+
+def test_fp16_weights_with_fp16_training_are_refused_before_launch(tmp_path, monkeypatch):
+    exc = _refusal(["--fp16", "--model_dtype", "float16"], tmp_path, monkeypatch)
+    assert exc is not None and exc.field == "model.model_dtype" and "model_dtype float32" in str(exc), exc
+
+
+@pytest.mark.parametrize("args", [["--lora_r", "4"], ["--strategy", "zero3"]], ids=["lora", "zero3"])
+def test_fp16_weights_are_fine_where_fp32_master_weights_exist(args, tmp_path, monkeypatch):
+    """PEFT keeps adapters in fp32; DeepSpeed keeps its own fp32 master copy."""
+    exc = _refusal(["--fp16", "--model_dtype", "float16", *args], tmp_path, monkeypatch)
+    assert exc is None or exc.field != "model.model_dtype", exc
