@@ -25,7 +25,7 @@ class FamilySpec:
     embedding_dropout: str | None  # dropout on the embeddings before the first block
     lora_targets: tuple[str, ...]  # the attention and MLP projections (GPT-2's c_proj names both outputs)
     # "transformers": the config's base_model_tp_plan (attention checked to run on local heads,
-    # tests/test_tensor_parallel.py); "hftk": hftk's own plan after Conv1D -> nn.Linear (GPT-2)
+    # tests/integration/test_tensor_parallel.py); "hftk": hftk's own plan after Conv1D -> nn.Linear (GPT-2)
     tp_plan: str
     ulysses: bool  # attention takes position ids through its kwargs, as sequence parallel's Ulysses needs
 

@@ -146,7 +146,7 @@ def activation_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     every block's inputs), then the larger of two moments: the loss's fp32 gradients of the logits
     (two, plus their 16-bit cast under mixed precision) or a block's backward (recomputed whole under
     checkpointing; with eager attention plus the gradient of its probabilities). Within 10% of the
-    peak RSS of real CPU runs at 1024 tokens (``tests/test_activations.py``)."""
+    peak RSS of real CPU runs at 1024 tokens (``tests/integration/test_activations.py``)."""
     b, s = inputs.micro_batch, inputs.seq_len
     half = inputs.mixed_precision != "no" or inputs.dtype != "float32"
     trace = shape.saved[trace_key(half, inputs.attention)]

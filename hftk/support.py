@@ -5,8 +5,9 @@ What each strategy allows is a flag in the strategy table (:data:`hftk.strategie
 module says why each refusal is one and raises it. The strategies' validators take their LoRA refusals
 from here (:func:`check_lora`), the packing modes each strategy honours (:func:`check_packing`); the README's
 support table is rendered from it (``python -m hftk.support README.md`` rewrites it;
-tests/test_support.py keeps the README equal), and tests/test_matrix.py runs every cell on 2 ranks and asserts each one trains
-and saves a loadable ``final/`` or is refused before launch exactly as :func:`expected` says.
+tests/unit/test_support.py keeps the README equal), and tests/integration/test_matrix.py runs every cell on
+2 ranks and asserts each one trains and saves a loadable ``final/`` or is refused before launch exactly as
+:func:`expected` says.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ LORA_REFUSED = {
     for strategy in _NO_LORA
 }
 # A bitsandbytes-quantized base (QLoRA: load_in_4bit / load_in_8bit) under the strategies shown to train
-# it with single-process parity (tests/test_qlora.py); the others are refused before launch, naming why.
+# it with single-process parity (tests/integration/test_qlora.py); the others are refused before launch, naming why.
 QUANT_FIELD = "model.load_in_4bit"
 QUANT_STRATEGIES = tuple(n for n, spec in TABLE.items() if spec.quantized_base)
 _QUANT_FIX = (f"use --strategy {' or '.join(QUANT_STRATEGIES)} with load_in_4bit / load_in_8bit, or train LoRA on an "

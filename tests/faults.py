@@ -5,7 +5,7 @@ A run is started in its own session under torchrun; :func:`wait_for_step` follow
 launch carries a unique ``HFTK_TEST_LAUNCH`` tag), the way an OOM killer or a scheduler would
 pick a victim from outside. Everything is bounded by timeouts and killed as a process group.
 
-The uninterrupted reference run is shared by ``test_resilience.py`` and ``test_hub.py`` (one
+The uninterrupted reference run is shared by ``tests/integration/test_resilience.py`` and ``test_hub.py`` (one
 launch per pytest process): it also pushes to the local Hub server, whose first commits fail.
 """
 

@@ -114,7 +114,7 @@ def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout:
     processes per engine, one run after another (tests/workers/matrix_cells.py): each launch costs
     10-40 s of imports and process-group start-up, so a test needing many runs shares them. Engines
     launch in the order their first cell appears (a pipeline run after a mesh-loop run in one process
-    group hung: tests/test_matrix.py). ``options[name]`` adds the worker's per-cell keys to cell ``name``
+    group hung: tests/integration/test_matrix.py). ``options[name]`` adds the worker's per-cell keys to cell ``name``
     (``copy``: [src, dst] copied before it; ``env``: variables it runs with; ``memory_out``: measure memory).
     Each launch gets ``timeout`` s, by default 600 plus 150 per run (a single run had 600; DeepSpeed's
     first use on a machine builds its C++ ops for minutes). Returns each cell's own output (its ranks'
@@ -250,7 +250,7 @@ def wandb_run(output_dir: Path) -> dict[str, Any]:
     return {"history": history, "config": config}
 
 
-# What a default run printed before hftk.output existed, each a library's own line (tests/test_output.py).
+# What a default run printed before hftk.output existed, each a library's own line (tests/integration/test_output.py).
 NOISE = {
     "DeepSpeed's accelerator guess": re.compile(r"Setting accelerator to CPU|Setting ds_accelerator"),
     "transformers' pad-token alignment": re.compile(r"PAD/BOS/EOS tokens that differ"),

@@ -1,4 +1,4 @@
-"""Imported at start-up by every Python process whose path holds this folder (tests/test_bench_batch.py
+"""Imported at start-up by every Python process whose path holds this folder (tests/integration/test_bench_batch.py
 puts it on PYTHONPATH): rank 1's Trainer step raises CUDA's out-of-memory error from micro-batch
 $HFTK_TEST_OOM_MICRO_BATCH on, as one GPU of several does when it runs out first."""
 

@@ -6,7 +6,7 @@ conversations. Preprocessed once (``hftk preprocess``), it trains twice from the
 sp (Ulysses) needs a Llama-family model, so it has its own one-process reference on builtin:llama-tiny. It drops
 the attention mask and attends causally over the gathered sequence: exact because conversations are
 right-padded (no real token sees a pad), and a rank whose slice is all padding adds 0 tokens to the loss sum.
-LoRA compares the saved adapter with adam_epsilon 1e-4, as tests/test_lora.py does (near-zero adapter
+LoRA compares the saved adapter with adam_epsilon 1e-4, as tests/integration/test_lora.py does (near-zero adapter
 gradients would otherwise turn reduction-order bits into visible differences)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # the first test lau
 STEPS = 4
 TOL = 1e-5
 CHAT = ["--chat_template", "chatml", "--block_size", "256", "--truncation", "truncate", "--max_steps", str(STEPS),
-        "--packing", "none",  # the mode every engine honours (bfd: tests/test_packing.py)
+        "--packing", "none",  # the mode every engine honours (bfd: tests/integration/test_packing.py)
         "--eval_fraction", "0"]
 LLAMA = ["--model_name_or_path", "builtin:llama-tiny"]
 LORA = ["--lora_r", "8", "--adam_epsilon", "1e-4"]

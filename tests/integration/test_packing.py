@@ -2,7 +2,7 @@
 strategy stands (``hftk.support.PACKING_SUPPORT``).
 
 The exactness checks run in-process on small models of every family made from their default configs
-(``tests/test_matrix.make_family``): the logits of an example packed among others by best-fit
+(``tests.integration.test_matrix.make_family``): the logits of an example packed among others by best-fit
 decreasing equal those of the same example run alone, and the packed loss equals the token-weighted
 mean of the examples' own losses.
 """

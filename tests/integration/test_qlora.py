@@ -1,5 +1,5 @@
 """QLoRA (a bitsandbytes 4-bit / 8-bit base), DoRA and 8-bit AdamW on 2 gloo ranks: losses equal one
-process's run of the same options within the LoRA suite's tolerance (tests/test_lora.py), the saved
+process's run of the same options within the LoRA suite's tolerance (tests/integration/test_lora.py), the saved
 adapter loads with ``PeftModel.from_pretrained`` onto the quantized base and gives the run's own final
 eval loss, and what does not run is refused before launch by name.
 
@@ -7,7 +7,7 @@ Two launches share the work (tests/workers/matrix_cells.py runs several runs in 
 one process x batch 8 (the references), then 2 ranks x 4 (ddp, fsdp). Tiny GPT-2 (transformers swaps
 its Conv1D layers for bitsandbytes ``Linear4bit``, so PEFT's LoRA runs without ``fan_in_fan_out``)
 and tiny Llama, dropout off, r=8 on the default targets, 4 steps at lr 5e-3, AdamW epsilon 1e-4 (see
-tests/test_lora.py for why), clipping 1.0, eval batch 1 so two ranks average what one process does.
+tests/integration/test_lora.py for why), clipping 1.0, eval batch 1 so two ranks average what one process does.
 """
 
 from __future__ import annotations

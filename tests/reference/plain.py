@@ -2,7 +2,7 @@
 
 The suite's parity tests used to compare hftk's distributed engines with hftk's own engine on one
 process, so a mistake shared by both (data, loss, optimizer, schedule) could not show. This script
-imports nothing from hftk (``tests/test_references.py`` reads its imports; every run lists the hftk
+imports nothing from hftk (``tests/unit/test_references.py`` reads its imports; every run lists the hftk
 modules loaded, which ``tests/helpers.plain_reference`` requires to be none) and rebuilds everything
 from the same local model folder and text file:
 

@@ -16,7 +16,7 @@ from hftk.modeling import load_tokenizer
 from hftk.run import prepare
 
 TINY = ["--model_name_or_path", "builtin:gpt2-tiny", "--block_size", "256", "--eval_fraction", "0"]
-# One conversation per row (packing none) so rows can be read one by one; bfd is tests/test_packing.py's.
+# One conversation per row (packing none) so rows can be read one by one; bfd is tests/integration/test_packing.py's.
 CHAT = [*TINY, "--chat_template", "chatml", "--packing", "none"]
 
 

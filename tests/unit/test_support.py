@@ -1,5 +1,5 @@
 """The support table (hftk/support.py): the README shows exactly what it renders, and the validators
-refuse exactly what it says (tests/test_matrix.py runs every cell it says trains)."""
+refuse exactly what it says (tests/integration/test_matrix.py runs every cell it says trains)."""
 
 from __future__ import annotations
 

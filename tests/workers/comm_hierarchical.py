@@ -1,4 +1,4 @@
-"""Worker for tests/test_comm.py: hierarchical vs flat gradient averaging on nodes x ranks.
+"""Worker for tests/integration/test_comm.py: hierarchical vs flat gradient averaging on nodes x ranks.
 
 Every rank trains two steps on its own batch with several DDP replicas of one tiny GPT-2:
 torch's default all-reduce (the reference), then each hftk hook flat and hierarchical. After
