@@ -1,6 +1,6 @@
 """What lets the suite and the set-up run on a GPU host, checked on any host: setup.sh refuses a
-torch that does not see the GPU nvidia-smi lists, the shared rank guard of every multi-process
-launch, and scripts/gpu_check.sh (its no-GPU answer and its summary of real metrics)."""
+torch that does not see the GPU nvidia-smi lists, and scripts/gpu_check.sh (its no-GPU answer and its
+summary of real metrics); the rank guard of every launch: tests/unit/test_gpu_readiness.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """LoRA through PEFT under every strategy on 2 gloo ranks: losses equal one process, every
 strategy saves the complete adapter (final folder and checkpoints) equal to one process's, the
 adapter and the merged export reload at the live eval loss, the Hub gets the adapter or the
-merged model with a card naming the base, the plan counts only the adapters, bad options fail.
+merged model with a card naming the base, the plan counts only the adapters (the in-process checks:
+tests/unit/test_lora.py).
 
 Runs, shared by the module fixture (the 2-rank runs of one engine share one launch:
 ``tests.helpers.finetune_cells``) (tiny tied GPT-2, dropout off, r=8 on the default

@@ -1,7 +1,7 @@
 """QLoRA (a bitsandbytes 4-bit / 8-bit base), DoRA and 8-bit AdamW on 2 gloo ranks: losses equal one
-process's run of the same options within the LoRA suite's tolerance (tests/integration/test_lora.py), the saved
-adapter loads with ``PeftModel.from_pretrained`` onto the quantized base and gives the run's own final
-eval loss, and what does not run is refused before launch by name.
+process's run of the same options within the LoRA suite's tolerance (tests/integration/test_lora.py), the
+saved adapter loads with ``PeftModel.from_pretrained`` onto the quantized base and gives the run's own
+final eval loss (what does not run is refused before launch by name: tests/unit/test_lora.py).
 
 Two launches share the work (tests/workers/matrix_cells.py runs several runs in one process group):
 one process x batch 8 (the references), then 2 ranks x 4 (ddp, fsdp). Tiny GPT-2 (transformers swaps

@@ -1,5 +1,5 @@
-"""glibc told to give freed memory back (hftk.allocator): freed blocks really leave the RSS, a
-user's own setting wins, and nothing is touched off glibc."""
+"""glibc told to give freed memory back (hftk.allocator): nothing is touched off glibc (what it frees:
+tests/integration/test_allocator.py, in fresh processes)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The built-in model cache: written before any process group, never published incomplete.
-
-Once a process group is up, transformers' ``save_pretrained`` writes on rank 0 only; a rank it
-skipped once won the rename race and cached a folder without weights (a clean-clone CI run).
-"""
+"""The built-in model cache: written before any process group, an incomplete cached folder named, not
+loaded (a rank inside a process group: tests/integration/test_builtin.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Bad input: one line naming the field, exit 2, no traceback, no process group, nothing overwritten."""
+"""Bad input: one line naming the field, exit 2, no traceback, no process group (through the script, and
+existing checkpoints never overwritten: tests/integration/test_errors.py)."""
 
 from __future__ import annotations
 

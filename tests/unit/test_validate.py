@@ -10,7 +10,9 @@ list is a statement of what each option means, not a filter.
 Each case runs in-process through the entry point's own first half (``run.prepare`` then
 ``errors.report``, exactly what ``run.main`` does before an engine starts): a refusal is exit 2,
 one ``hftk: error:`` line naming the option, no other exception, no process group, and the
-``output_dir`` (holding a file of the user's) byte for byte as it was. Launcher cases run torchrun.
+``output_dir`` (holding a file of the user's) byte for byte as it was. The launcher's case runs torchrun:
+tests/integration/test_bad_input.py. Also here: a resume at another world size, checked against the
+checkpoint's seal, and fp16 weights with fp16 training.
 """
 
 from __future__ import annotations
