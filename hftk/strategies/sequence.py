@@ -33,6 +33,7 @@ import torch
 from hftk.comm.collectives import BUCKET_BYTES, all_reduce_flat
 from hftk.config import RunConfig
 from hftk.errors import HftkError
+from hftk.strategies.mesh import LOOP_DEFAULTS, mesh_step  # noqa: F401 (read by the loop)
 from hftk.parallel_dims import parallel_dims
 from hftk.support import check_family, check_lora
 
@@ -160,3 +161,9 @@ def estimate_memory(shape: Any, inputs: Any, sp: int) -> Any:
     counters = 4 * shape.trainable_tensors  # torch AdamW's per-parameter step counters
     return StrategyPlan(f"sp{sp}", shape.params * w, shape.params * w, 2 * shape.params * w + counters, bucket,
                         activations, RUNTIME_BYTES[inputs.device], 0)
+
+
+
+def build_step(model: Any, cfg: RunConfig, args: Any) -> Any:
+    """The custom loop's step: ``model`` sharded by :func:`layout`."""
+    return mesh_step(model, cfg, args, layout)
