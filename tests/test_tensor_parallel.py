@@ -300,9 +300,9 @@ def test_final_folder_of_a_tp_run_is_pushed_to_the_hub(gpt2_tp, hub):
 
 
 @pytest.mark.slow
-def test_the_mesh_loop_reports_to_wandb_under_the_trainers_names(gpt2_tp):
+def test_tp_reports_to_wandb_through_the_trainers_callback(gpt2_tp):
     run = wandb_run(gpt2_tp)
-    logged = {row["_step"]: row["train/loss"] for row in run["history"] if "train/loss" in row}
+    logged = {row["train/global_step"]: row["train/loss"] for row in run["history"] if "train/loss" in row}
     assert logged == pytest.approx(losses(gpt2_tp), abs=1e-6)
     assert [row["eval/loss"] for row in run["history"] if "eval/loss" in row] == [_eval_loss(gpt2_tp)]
     assert (run["config"]["strategy"], run["config"]["tp_size"]) == ("tp", 2)

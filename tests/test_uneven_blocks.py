@@ -1,7 +1,7 @@
 """Packed data whose block count does not divide over ranks x batch, and an eval set of one block
 (issue 18, long-run faults): every engine on 2 ranks finishes (under a timeout), every rank takes
 part in every optimizer step, every evaluation runs on every rank (the per-batch agreement of
-``resilience.check_evaluation`` / ``preemptible`` would hang a rank left out: the timeout fails it),
+``resilience.check_evaluation`` would hang a rank left out: the timeout fails it),
 and the final eval loss is that of the one block, computed in this process by a plain
 ``transformers.Trainer`` on the run's final weights.
 

@@ -55,8 +55,8 @@ from hftk.hub import RunPusher
 from hftk.memory import model_state_bytes
 from hftk.modeling import load_model
 from hftk.monitor import MetricsCallback, append_jsonl, parameter_digest
-from hftk.resilience import (EXIT_NONFINITE, EXIT_PREEMPTED, EvaluationInterrupted, PreemptionSignal, agree,
-                             check_evaluation, nonfinite_gradients, signal_name)
+from hftk.resilience import (EXIT_PREEMPTED, EvaluationInterrupted, PreemptionSignal, check_evaluation,
+                             decide_step, nonfinite_gradients, stop_line)
 from hftk.run_record import run_record, save_run_record, write_run_files
 from hftk.run_types import PreparedRun
 from hftk.telemetry import (RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops, flops_per_token,
@@ -296,6 +296,7 @@ def _train_epochs(run: Run, steps_per_epoch: int, epochs: int) -> dict[str, floa
     run.last_logged = state.global_step
     start, start_step = time.time(), state.global_step
     run.control = run.handler.on_train_begin(args, state, run.control)
+    _describe_to_wandb(run)
     with run.signal.watching():  # through the final evaluation: a signal there interrupts it
         _run_epochs(run, resume, steps_per_epoch, epochs, epochs_trained, skip_batches)
         _log_memory(run)
@@ -390,14 +391,13 @@ def _guard(run: Run) -> bool:
     """hftk.resilience's rules, agreed by every rank: a non-finite gradient drops the update (step and
     schedule still advance); preemption or ``nan_policy=stop`` saves after this step and exits."""
     params = [p for _, p in run.step.params]
-    preempted, nonfinite = agree([run.signal.received is not None, nonfinite_gradients(params)], run.step.device)
+    nonfinite, stop = decide_step(run.signal, nonfinite_gradients(params), run.prepared.cfg.resilience.nan_policy,
+                                  run.step.device)
     if nonfinite:
         for p in params:
             p.grad = None  # torch optimizers skip parameters without a gradient
-        if run.prepared.cfg.resilience.nan_policy == "stop" and run.exit_code is None:
-            run.exit_code, run.stop_reason = EXIT_NONFINITE, "a NaN/Inf loss (resilience.nan_policy=stop)"
-    if preempted and run.exit_code is None:
-        run.exit_code, run.stop_reason = EXIT_PREEMPTED, f"preempted ({signal_name(run.signal)})"
+    if stop is not None and run.exit_code is None:
+        run.exit_code, run.stop_reason = stop
     return nonfinite
 
 
@@ -408,11 +408,10 @@ def _stop_after_step(run: Run) -> None:
 
 
 def _stop(run: Run) -> None:
-    """Like ``hftk.resilience.raise_stop``: say where the run stopped, tear down, exit with the code."""
+    """As ``hftk.resilience.raise_stop`` on the Trainer path: say where the run stopped, tear down, exit."""
     if run.rank == 0:
-        print(f"hftk: stopped at step {run.state.global_step}: {run.stop_reason}; saved "
-              f"{run.prepared.cfg.output_dir / f'checkpoint-{run.state.global_step}'}; continue with "
-              f"--resume_from_checkpoint latest (exit {run.exit_code})", file=sys.stderr, flush=True)
+        saved = run.prepared.cfg.output_dir / f"checkpoint-{run.state.global_step}"
+        print(stop_line(run.state.global_step, run.stop_reason, saved, run.exit_code), file=sys.stderr, flush=True)
     dist.barrier()
     dist.destroy_process_group()
     raise SystemExit(run.exit_code)
@@ -455,6 +454,17 @@ def _log_layout(run: Run) -> None:
             "layout": {**run.step.describe, "world_size": dist.get_world_size(), "global_batch": run.global_batch,
                        "max_steps": run.state.max_steps},
             "local_shapes": local_shapes(run.step.params)})
+
+
+def _describe_to_wandb(run: Run) -> None:
+    """wandb's run config (the Trainer's arguments and model config, from its callback) gains the strategy
+    and its layout, so runs of different layouts compare side by side."""
+    if "wandb" in run.args.report_to and run.rank == 0:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.run.config.update({"strategy": run.prepared.cfg.strategy.strategy, **run.step.describe},
+                                    allow_val_change=True)
 
 
 def _log_memory(run: Run) -> None:

@@ -73,7 +73,7 @@ def check_training_options(cfg: Any, strategy: str) -> None:
     """
     for key, value in cfg.training.items():
         if key not in SUPPORTED_TRAINING and value not in (False, None, "no", "none", "", [], 0):
-            raise HftkError(f"training.{key}", f"is not supported with strategy {strategy} (hftk's mesh loop).",
+            raise HftkError(f"training.{key}", f"is not supported with strategy {strategy} (hftk's custom loop).",
                             f"remove it; supported: {', '.join(sorted(SUPPORTED_TRAINING))}.")
         if key in CHOICES and value not in CHOICES[key]:
             raise HftkError(f"training.{key}", f"'{value}' is not supported with strategy {strategy}.",

@@ -33,7 +33,8 @@ import torch
 from hftk.comm.collectives import BUCKET_BYTES, all_reduce_flat
 from hftk.config import RunConfig
 from hftk.errors import HftkError
-from hftk.strategies.mesh import LOOP_DEFAULTS, mesh_step  # noqa: F401 (read by the loop)
+from hftk.strategies.mesh import LOOP_DEFAULTS as MESH_LOOP_DEFAULTS
+from hftk.strategies.mesh import mesh_step
 from hftk.parallel_dims import parallel_dims
 from hftk.support import check_family, check_lora
 
@@ -162,6 +163,8 @@ def estimate_memory(shape: Any, inputs: Any, sp: int) -> Any:
     return StrategyPlan(f"sp{sp}", shape.params * w, shape.params * w, 2 * shape.params * w + counters, bucket,
                         activations, RUNTIME_BYTES[inputs.device], 0)
 
+
+LOOP_DEFAULTS = MESH_LOOP_DEFAULTS  # the custom loop's defaults for options not given (engine/loop.training_overrides)
 
 
 def build_step(model: Any, cfg: RunConfig, args: Any) -> Any:

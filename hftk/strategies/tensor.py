@@ -29,7 +29,8 @@ from typing import Any
 
 from hftk.config import RunConfig
 from hftk.errors import HftkError
-from hftk.strategies.mesh import LOOP_DEFAULTS, mesh_step  # noqa: F401 (read by the loop)
+from hftk.strategies.mesh import LOOP_DEFAULTS as MESH_LOOP_DEFAULTS
+from hftk.strategies.mesh import mesh_step
 from hftk.parallel_dims import MESH_LOOP_DIMS, parallel_dims
 from hftk.support import check_lora
 
@@ -171,6 +172,8 @@ def plan_rows(model_config: Any, shape: Any, inputs: Any, tp_size: int, sp_size:
         row.fits = row.device_total <= inputs.device_memory_bytes * (1 - HEADROOM)
     return rows
 
+
+LOOP_DEFAULTS = MESH_LOOP_DEFAULTS  # the custom loop's defaults for options not given (engine/loop.training_overrides)
 
 
 def build_step(model: Any, cfg: RunConfig, args: Any) -> Any:
