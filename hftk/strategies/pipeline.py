@@ -583,6 +583,9 @@ class PipelineStep:
         self.config = model.config
         self.schedule_name = cfg.strategy.pp_schedule
         self.rt = build_runtime(model, cfg.strategy, self.topo, bf16=bool(args.bf16))
+        # every batch padded to these rows: stages keep the shapes they were built for, short batches included
+        self.train_rows = microbatch_rows(args.per_device_train_batch_size, self.rt.microbatches)
+        self.eval_rows = microbatch_rows(args.per_device_eval_batch_size, self.rt.microbatches)
         self.module = nn.ModuleList(self.rt.stages)
         self.device, self.dp_size, self.dp_rank = self.topo.device, self.topo.dp_size, self.topo.dp_rank
         self.params = self.rt.params
@@ -607,10 +610,9 @@ class PipelineStep:
         if self.dp_size > 1:
             dist.all_reduce(tokens, group=self.topo.dp_group)
         divisor = tokens[0] / 1  # a float tensor, as the Trainer's num_items_in_batch
-        rows = microbatch_rows(windows[0]["input_ids"].shape[0], rt.microbatches)
         loss = torch.zeros((), device=self.device)
         for batch in windows:
-            loss = loss + forward_backward(rt, _pad_rows(batch, rows), divisor)
+            loss = loss + forward_backward(rt, _pad_rows(batch, self.train_rows), divisor)
         reduce_gradients(rt)
         total = loss.reshape(1).clone()
         dist.all_reduce(total)  # only the last stage of each replica holds a loss
@@ -621,8 +623,7 @@ class PipelineStep:
 
     def eval_sums(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
         """(summed token loss, label count by the Trainer's rule) of one eval batch over every replica."""
-        loss = evaluate_batch(self.rt, _pad_rows(rows, microbatch_rows(rows["input_ids"].shape[0],
-                                                                       self.rt.microbatches)))
+        loss = evaluate_batch(self.rt, _pad_rows(rows, self.eval_rows))
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.rt.holds_last:
             total += torch.tensor([float(loss), float(self._label_count(rows))], dtype=torch.float64,
