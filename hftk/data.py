@@ -448,8 +448,8 @@ def eval_line(cfg: DataConfig, blocks: int, batch_size: int, data_ranks: int) ->
     """What one evaluation costs, printed at start: blocks, and batches each rank runs through.
 
     Every engine spreads the blocks over its data-parallel ranks in batches of
-    ``per_device_eval_batch_size`` (the Trainer's sharded loader, the pipeline's contiguous shards, the
-    mesh loop's global batches), so ceil(blocks / (batch x ranks)) forwards per rank per evaluation.
+    ``per_device_eval_batch_size`` (the Trainer's sharded loader, the custom loop's chunks of batch x
+    replicas), so ceil(blocks / (batch x ranks)) forwards per rank per evaluation.
     """
     batches = -(-blocks // (batch_size * data_ranks))
     cap = (f"capped by data.max_eval_samples={cfg.max_eval_samples}" if cfg.max_eval_samples
@@ -537,7 +537,7 @@ def collator(cfg: DataConfig, pad_id: int, fixed_length: int | None = None, atte
     (sdpa / eager: each row's mask spans its own tokens, not the whole batch's); under flash attention
     they are flattened into one padding-free row, the only form its varlen path reads as packed.
     ``concat`` / ``none``: rows padded to the batch's longest, rounded up to ``pad_to_multiple_of`` --
-    or to ``fixed_length`` for engines whose shapes are fixed (pipeline stages, the mesh loop)."""
+    or to ``fixed_length`` for engines whose shapes are fixed (pipeline stages, tp / cp / sp)."""
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     _check_resolved(cfg.packing)

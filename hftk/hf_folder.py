@@ -1,7 +1,7 @@
 """A standard Hugging Face folder: reading its safetensors, rebuilding a model from a config and
 a state dict, writing a folder atomically, and proving every weight is in it.
 
-A leaf module: the savers of every strategy, LoRA and the mesh loop check their folders with
+A leaf module: the savers of every strategy, LoRA and the custom loop check their folders with
 :func:`check_complete`, and ``hftk export`` writes through it, without importing one another.
 """
 

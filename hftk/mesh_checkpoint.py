@@ -1,12 +1,10 @@
-"""Checkpoints of the mesh loop (tensor / sequence parallel): DCP state, exact resume, HF export.
+"""The on-disk state of tp / cp / sp runs: DCP shards, the gathered HF folder, the offline reader.
 
-A ``checkpoint-N`` folder holds ``dcp/`` (model and AdamW state through
-``torch.distributed.checkpoint``: every rank writes its own shards, no rank ever holds the
-whole model), the LR scheduler, each rank's RNG state (python, numpy, torch CPU and CUDA:
-:func:`hftk.checkpoint.save_rng`), the model config and tokenizer, and
-``hftk_mesh.json`` (the layout and step it was written at). It is staged and published
-atomically by :mod:`hftk.checkpoint`, so ``latest`` never picks a half-written one. DCP records
-full shapes and offsets, so a checkpoint resumes on another mesh too.
+Inside a ``checkpoint-N`` folder (written by :mod:`hftk.checkpointer` with the scheduler, trainer
+state and every rank's RNG) this module writes ``dcp/`` (model and AdamW state through
+``torch.distributed.checkpoint``: every rank writes its own shards, no rank ever holds the whole
+model) and ``hftk_mesh.json`` (the layout it was written on). DCP records full shapes and
+offsets, so a checkpoint resumes on another mesh too.
 
 ``hftk export`` reads such a folder without any process group (:func:`export_state_dict`).
 """
@@ -20,49 +18,36 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hftk.checkpoint import atomic_save, load_rng, save_rng, staged_folder
+from hftk.checkpoint import staged_folder
 
 DCP_DIR = "dcp"
 LAYOUT_FILE = "hftk_mesh.json"
-SCHEDULER_FILE = "scheduler.pt"
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save(output_dir: Path, step: int, layout: Any, optimizer: Any, scheduler: Any, cfg: Any, tokenizer: Any) -> Path:
-    """Collective: ``output_dir/checkpoint-<step>``, published atomically (:func:`hftk.checkpoint.atomic_save`)."""
+def write_state(folder: Path, layout: Any, optimizer: Any) -> None:
+    """Collective: every rank's model and optimizer shards into ``folder/dcp``; rank 0 the layout file."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    def write(folder: Path) -> None:
-        model_state, optim_state = get_state_dict(layout.model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / DCP_DIR))
-        save_rng(folder)
-        if _rank() == 0:
-            torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
-            layout.model.config.save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
-            (folder / LAYOUT_FILE).write_text(json.dumps({**layout.describe, "step": step}, indent=1, sort_keys=True))
-
-    global_batch = (cfg.args.per_device_train_batch_size * cfg.args.gradient_accumulation_steps * layout.data_size)
-    return atomic_save(output_dir, step, write, cfg.training.get("save_total_limit"), global_batch)
+    model_state, optim_state = get_state_dict(layout.model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / DCP_DIR))
+    if _rank() == 0:
+        (folder / LAYOUT_FILE).write_text(json.dumps(layout.describe, indent=1, sort_keys=True))
 
 
-def load(folder: Path, layout: Any, optimizer: Any, scheduler: Any) -> int:
-    """Restore model, optimizer, scheduler and RNG from ``folder``; returns the step it was saved at."""
+def read_state(folder: Path, layout: Any, optimizer: Any) -> None:
+    """Restore model and optimizer shards from ``folder/dcp`` (resharded onto this run's mesh)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    folder = Path(folder)
     model_state, optim_state = get_state_dict(layout.model, optimizer)  # templates (optimizer state initialised)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(folder / DCP_DIR))
+    dcp.load(state, checkpoint_id=str(Path(folder) / DCP_DIR))
     set_state_dict(layout.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
-    load_rng(folder)
-    return int(json.loads((folder / LAYOUT_FILE).read_text())["step"])
 
 
 def save_hf_folder(out: Path, layout: Any, tokenizer: Any, write_extra: Callable[[Path], None]) -> None:

@@ -1,7 +1,7 @@
 """Leaf: how one run's ranks divide, ``dp_replicate x dp_shard x cp x tp x pp x sp = world size``,
 resolved and checked once (torchtitan's ``ParallelDims``).
 
-Every strategy reads its degrees here: the mesh loop's meshes, the pipeline's ``(dp, pp)`` mesh,
+Every strategy reads its degrees here: tp / cp / sp's meshes, the pipeline's ``(dp, pp)`` mesh,
 Ulysses' ``(dp, sp)`` mesh, and the global batch a resume at another world size must keep
 (:attr:`ParallelDims.data_parallel`, the ranks that read different samples).
 """
@@ -48,7 +48,7 @@ def parallel_dims(strategy: Any, world_size: int) -> ParallelDims:
     """``strategy`` (a ``StrategyConfig``) over ``world_size`` ranks, or one line naming the degree to fix."""
     name = strategy.strategy
     if name in ("tp", "cp"):
-        return _mesh_loop_dims(strategy, world_size)
+        return _mesh_dims(strategy, world_size)
     if name == "sp":
         if strategy.sp_size < 1 or world_size % strategy.sp_size:
             raise HftkError("strategy.sp_size", f"{strategy.sp_size} does not divide the world size {world_size}.",
@@ -68,7 +68,7 @@ def parallel_dims(strategy: Any, world_size: int) -> ParallelDims:
     return ParallelDims(dp_shard=world_size)  # fsdp and ZeRO shard over every rank (HSDP's split is theirs)
 
 
-def _mesh_loop_dims(s: Any, world_size: int) -> ParallelDims:
+def _mesh_dims(s: Any, world_size: int) -> ParallelDims:
     """tp / cp: ``dp_shard_size -1`` takes whatever the other degrees leave."""
     for name in ("tp_size", "cp_size", "dp_replicate_size"):
         if getattr(s, name) < 1:

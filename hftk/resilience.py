@@ -131,25 +131,6 @@ def check_evaluation(preemption: PreemptionSignal, device: Any) -> None:
         raise EvaluationInterrupted(signal_name(preemption))
 
 
-def preemptible(batches: Iterable[T], preemption: PreemptionSignal, device: Any) -> Iterator[T]:
-    """``batches`` with :func:`check_evaluation` before each one, for the loops that own their evaluation.
-
-    Ranks may hold different numbers of batches (a data-parallel shard one sample shorter): the
-    count agreed is the longest, and a rank that is done keeps taking part in the check.
-    """
-    import torch.distributed as dist
-
-    count = torch.tensor([len(batches)], device=device)  # type: ignore[arg-type]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    items, done = iter(batches), object()
-    for _ in range(int(count[0])):
-        check_evaluation(preemption, device)
-        item = next(items, done)
-        if item is not done:
-            yield item  # type: ignore[misc]
-
-
 def signal_name(preemption: PreemptionSignal) -> str:
     """How a stop message names the signal: this rank's, or another rank's that the agreement carried."""
     return signal.Signals(preemption.received).name if preemption.received else "a signal on another rank"
@@ -202,6 +183,23 @@ def counts_as_nonfinite(grads_nonfinite: bool, scaler: Any) -> bool:
     return grads_nonfinite and scaler.get_scale() < MIN_LOSS_SCALE
 
 
+def decide_step(preemption: PreemptionSignal, local_nonfinite: bool, nan_policy: str, device: Any
+                ) -> tuple[bool, tuple[int, str] | None]:
+    """Every engine's rule before an optimizer step, agreed by all ranks in one all-reduce: whether any
+    rank's gradients are non-finite (the update is dropped), and the stop it calls for, if any
+    (``nan_policy=stop`` -> exit 65, a preemption signal on any rank -> exit 75; the first wins)."""
+    preempted, nonfinite = agree([preemption.received is not None, local_nonfinite], device)
+    if nonfinite and nan_policy == "stop":
+        return nonfinite, (EXIT_NONFINITE, "a NaN/Inf loss (resilience.nan_policy=stop)")
+    return nonfinite, (EXIT_PREEMPTED, f"preempted ({signal_name(preemption)})") if preempted else None
+
+
+def stop_line(step: int, reason: str, saved: Any, code: int) -> str:
+    """What every engine prints (rank 0) when it stops a run early after saving."""
+    return (f"hftk: stopped at step {step}: {reason}; saved {saved}; continue with --resume_from_checkpoint latest "
+            f"(exit {code})")
+
+
 class StepGuard(TrainerCallback):
     """The Trainer side: agree on the flags before each optimizer step, act at the step's end."""
 
@@ -225,16 +223,13 @@ class StepGuard(TrainerCallback):
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         scaler = active_scaler(self.trainer.accelerator)
-        preempted, nonfinite = agree([self.signal.received is not None, self._local_nonfinite(scaler)], args.device)
+        nonfinite, stop = decide_step(self.signal, self._local_nonfinite(scaler), self.nan_policy, args.device)
         self._nonfinite_now = nonfinite
-        if nonfinite:
-            if scaler is None:  # a scaler skips the step itself (and needs the gradients to see why)
-                for param in self.trainer.model.parameters():
-                    param.grad = None  # torch optimizers skip parameters without a gradient
-            if self.nan_policy == "stop" and self.exit_code is None:
-                self.exit_code, self.reason = EXIT_NONFINITE, "a NaN/Inf loss (resilience.nan_policy=stop)"
-        if preempted and self.exit_code is None:
-            self.exit_code, self.reason = EXIT_PREEMPTED, f"preempted ({signal_name(self.signal)})"
+        if nonfinite and scaler is None:  # a scaler skips the step itself (and needs the gradients to see why)
+            for param in self.trainer.model.parameters():
+                param.grad = None  # torch optimizers skip parameters without a gradient
+        if stop is not None and self.exit_code is None:
+            self.exit_code, self.reason = stop
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._nonfinite_now:
@@ -301,7 +296,6 @@ def raise_stop(trainer: Any) -> None:
     if trainer.args.should_save:
         saved = list_checkpoints(trainer.args.output_dir)
         where = saved[-1] if saved else "no checkpoint"
-        print(f"hftk: stopped at step {trainer.state.global_step}: {guard.reason}; saved {where}; "
-              f"continue with --resume_from_checkpoint latest (exit {guard.exit_code})", file=sys.stderr, flush=True)
+        print(stop_line(trainer.state.global_step, guard.reason, where, guard.exit_code), file=sys.stderr, flush=True)
     trainer.accelerator.end_training()
     raise SystemExit(guard.exit_code)

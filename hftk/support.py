@@ -101,7 +101,7 @@ assert set(BFD_REFUSED) == {s for s, m in PACKING_SUPPORT.items() if "bfd" not i
 # tested on CPU for GPT-2, GPT-NeoX, Llama, Mistral, Qwen2) and the flash kernels' varlen path, which
 # reads packing only from a batch of one row (modeling_flash_attention_utils._is_packed_sequence). The
 # Trainer's collator flattens bfd batches into that one row under flash attention; pipeline stages and
-# the mesh loop take fixed (rows x block_size) batches, so they keep bfd to sdpa and eager.
+# tp take fixed (rows x block_size) batches, so they keep bfd to sdpa and eager.
 BFD_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 FIXED_SHAPE_BFD_ATTENTION = {n: ("sdpa", "eager") for n, spec in TABLE.items()
                              if spec.fixed_shape_batches and "bfd" in spec.packing}

@@ -393,7 +393,7 @@ class RankMonitorCallback(TrainerCallback):
         self.metrics_path = metrics_path
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        """Hooks on the model when the loop hands one over. hftk's pipeline loop does not (a stage's
+        """Hooks on the model when the loop hands one over. hftk's custom loop does not for the pipeline (a stage's
         micro-batches interleave with its waits, so forward-to-last-gradient is not its compute time):
         then the monitor reports wall/CPU time, memory and comm share, and no imbalance."""
         if model is not None:

@@ -60,13 +60,10 @@ def fake_group(world_size: int) -> None:
 
 
 def batch(device: str, vocab: int) -> dict[str, torch.Tensor]:
-    """What the mesh loop's ``make_batch`` hands a step: ids, position ids, labels shifted on the whole sequence."""
-    import torch.nn.functional as F
-
+    """What the collator hands a mesh step: token ids, and labels equal to them."""
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
-    return {"input_ids": ids.to(device), "position_ids": torch.arange(SEQ).expand(BATCH, SEQ).to(device),
-            "shift_labels": F.pad(ids[:, 1:], (0, 1), value=-100).to(device)}
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator).to(device)
+    return {"input_ids": ids, "labels": ids}
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -95,12 +92,13 @@ def check(condition: bool, problem: str) -> None:
 
 
 def mesh_layout(strategy: str, world: int, args: list[str], expect: Callable[[Any], None]) -> Callable[..., str]:
-    """A tp / cp / sp layout: hftk's ``layout`` then one mesh-loop step; ``expect`` checks the sharding."""
+    """A tp / cp / sp layout: hftk's ``layout`` then one step as the custom loop takes it; ``expect`` checks
+    the sharding."""
 
     def step(device: str, dtype: torch.dtype | None) -> str:
         from hftk import strategies
         from hftk.config import load_config
-        from hftk.engine import mesh_loop
+        from hftk.strategies.mesh import MeshStep
 
         fake_group(world)
         cfg = load_config(["--model_name_or_path", "builtin:llama-tiny", "--strategy", strategy, *args])
@@ -109,14 +107,17 @@ def mesh_layout(strategy: str, world: int, args: list[str], expect: Callable[[An
         layout = dataclasses.replace(layout, autocast_dtype=dtype)
         expect(layout)
         before = snapshot(layout.model)
-        optimizer = mesh_loop.build_optimizer(layout.model, OPTIM)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-        out = mesh_loop.train_step(layout, [batch(device, model.config.vocab_size)], optimizer, scheduler, 1.0)
-        check(math.isfinite(out["loss"]) and not out["skipped"], f"loss {out['loss']} (skipped {out['skipped']})")
-        check(out["grad_norm"] is not None and math.isfinite(out["grad_norm"]), f"grad norm {out['grad_norm']}")
+        mesh_step = MeshStep(layout, torch.device(device))
+        optimizer = torch.optim.AdamW(mesh_step.param_groups(OPTIM.weight_decay), lr=OPTIM.learning_rate,
+                                      eps=OPTIM.adam_epsilon, betas=(OPTIM.adam_beta1, OPTIM.adam_beta2))
+        loss = mesh_step.forward_backward([batch(device, model.config.vocab_size)])
+        grad_norm = mesh_step.clip_gradients(1.0)
+        optimizer.step()
+        check(math.isfinite(loss), f"loss {loss}")
+        check(math.isfinite(grad_norm), f"grad norm {grad_norm}")
         still = moved(before, layout.model)
         check(not still, f"{len(still)} parameters unchanged by the step, e.g. {still[:2]}")
-        return f"loss {out['loss']:.3f}, grad norm {out['grad_norm']:.3f}"
+        return f"loss {loss:.3f}, grad norm {grad_norm:.3f}"
 
     return step
 

@@ -30,7 +30,7 @@ from hftk.plan import MIB, PLAN_STRATEGIES, StrategyPlan
 DEFAULT_MODEL = "builtin:gpt2-90m"
 SHARDED_TARGET = 0.65  # fsdp and zero3 peak at most this fraction of ddp's (issue 3)
 PLAN_TARGET = 0.25  # the plan's peak within this fraction of the measured one
-# Rows that are a layout of strategy tp / cp (hftk's mesh loop): the hftk train options of each.
+# Rows that are a layout of strategy tp / cp (hftk's custom loop): the hftk train options of each.
 MESH_ROWS = {
     "tp": lambda nproc: ["--strategy", "tp", "--tp_size", str(nproc)],
     "tp_fsdp": lambda nproc: ["--strategy", "tp", "--tp_size", "2", "--dp_shard_size", "-1"],

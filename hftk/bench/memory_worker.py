@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         if prepared.cfg.args.max_steps < COUNTED_STEP:
             raise HftkError("training.max_steps", f"the probe counts optimizer step {COUNTED_STEP} (the first creates "
                             "the optimizer state).", f"pass --max_steps {COUNTED_STEP} or more.")
-        if strategies.spec(prepared.cfg.strategy.strategy).engine == "mesh_loop":
-            return mesh_memory(prepared, out)
+        if strategies.spec(prepared.cfg.strategy.strategy).engine == "loop":
+            return loop_memory(prepared, out)
         trainer, _, _ = build_trainer(prepared)
     except HftkError as exc:
         print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
@@ -127,22 +127,23 @@ def measure(trainer: Any, strategy: str, out: Path) -> None:
         dist.barrier()
 
 
-def mesh_memory(prepared: Any, out: Path) -> int:
-    """Tensor / sequence parallel (hftk's mesh loop, no Trainer): the loop counts the same bytes itself.
+def loop_memory(prepared: Any, out: Path) -> int:
+    """Strategies of hftk's custom loop (no Trainer): the loop counts the same bytes itself.
 
     It logs every rank's params / grads / optimizer bytes after its first optimizer step and the
     training phase's peak (reset before the first step) as one ``memory`` record in metrics.jsonl.
     """
-    from hftk.engine import mesh_loop
+    from hftk.engine import loop
     from hftk.monitor import read_jsonl
+    from hftk.strategies.mesh import device_type
 
     cfg = prepared.cfg
-    mesh_loop.train(prepared)
+    loop.train(prepared)
     if int(os.environ.get("RANK", "0")) == 0:
         ranks = next(r["memory"] for r in read_jsonl(cfg.output_dir / cfg.tracking.metrics_file) if "memory" in r)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"strategy": cfg.strategy.strategy, "world_size": len(ranks),
-                                   "device": "gpu" if mesh_loop.device_type(cfg) == "cuda" else "cpu",
+                                   "device": "gpu" if device_type(cfg) == "cuda" else "cpu",
                                    "ranks": ranks}, indent=1))
     return 0
 

@@ -25,10 +25,10 @@ A strategy driven by the HF Trainer (``engine == "trainer"``) also answers:
 - optional ``resume_folder(resume) -> str | None``: the folder the Trainer resumes from instead of
   ``resume`` (ZeRO-1/2 at another world size: the universal checkpoint ``training_arguments`` converted).
 
-The mesh loop's strategies (``engine == "mesh_loop"``: tp, cp, sp) answer
-``layout(model, cfg, device_type) -> MeshLayout`` (see :mod:`hftk.strategies.mesh`) instead of the
-Trainer hooks; the pipeline (``engine == "loop"``, :mod:`hftk.engine.loop`) builds its stages in its
-module. Every strategy takes its degrees and meshes from :mod:`hftk.parallel_dims`.
+The custom loop's strategies (``engine == "loop"``, :mod:`hftk.engine.loop`: pipeline, tp, cp, sp)
+answer ``build_step(model, cfg, args)`` instead of the Trainer hooks: the step that loop drives
+(the pipeline's stages; for tp / cp / sp a ``layout(model, cfg, device_type) -> MeshLayout`` wrapped
+by :func:`hftk.strategies.mesh.mesh_step`). Every strategy takes its degrees and meshes from :mod:`hftk.parallel_dims`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class StrategySpec:
     in :mod:`hftk.support`, which reads these flags)."""
 
     module: str  # the module under hftk.strategies that implements it
-    engine: str  # "trainer" (the HF Trainer), "loop" (the pipeline loop) or "mesh_loop" (tp / cp / sp)
+    engine: str  # "trainer" (the HF Trainer: ddp, fsdp, ZeRO) or "loop" (hftk's custom loop: pipeline, tp, cp, sp)
     launch: str  # accelerate's distributed_type in its generated launch config
     usage: str  # one line for `hftk configs` and the launch config's header
     lora: bool = True  # LoRA adapters train under it
@@ -82,15 +82,15 @@ STRATEGIES: dict[str, StrategySpec] = {
     "zero3_offload": StrategySpec(_DS, "trainer", "DEEPSPEED",
                                   "DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to CPU memory.",
                                   auto_rank=5, zero_stage=3, offload=True),
-    "tp": StrategySpec("hftk.strategies.tensor", "mesh_loop", "MULTI_GPU",
+    "tp": StrategySpec("hftk.strategies.tensor", "loop", "MULTI_GPU",
                        "Tensor parallel x FSDP2: add --strategy tp --tp_size T [--dp_shard_size -1] (this launch "
                        "cannot say it).", lora=False, fixed_shape_batches=True, options=_MESH,
                        reshards_on_resume=True),
-    "cp": StrategySpec("hftk.strategies.tensor", "mesh_loop", "MULTI_GPU",
+    "cp": StrategySpec("hftk.strategies.tensor", "loop", "MULTI_GPU",
                        "Ring-attention context parallel (x TP x FSDP2): add --strategy cp --cp_size C [--tp_size T] "
                        "(this launch cannot say it).", lora=False, packing=("concat",),
                        options=("cp_size", *_MESH), reshards_on_resume=True),
-    "sp": StrategySpec("hftk.strategies.sequence", "mesh_loop", "MULTI_GPU",
+    "sp": StrategySpec("hftk.strategies.sequence", "loop", "MULTI_GPU",
                        "Ulysses sequence parallel: add --strategy sp --sp_size S (this launch cannot say it itself).",
                        lora=False, packing=("concat", "none"), options=("sp_size",), reshards_on_resume=True),
     "pipeline": StrategySpec("hftk.strategies.pipeline", "loop", "MULTI_GPU",

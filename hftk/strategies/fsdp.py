@@ -102,7 +102,7 @@ def apply_fsdp(model: Any, blocks: list[Any], mesh: Any, reshard_after_forward: 
                cpu_offload: bool = False) -> None:
     """FSDP2 the way every hftk layout uses it: ``fully_shard`` each decoder block (one gather unit
     each), then the root (embeddings, final norm, head); strategy fsdp and tp / cp's data-parallel
-    dimensions. ``bf16``: bf16 compute with fp32 gradient reduction (the mesh loop autocasts instead)."""
+    dimensions. ``bf16``: bf16 compute with fp32 gradient reduction (tp / cp / sp autocast instead)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     options = {

@@ -533,3 +533,136 @@ def pipeline_state_dict(path: Path) -> dict[str, torch.Tensor]:
 def microbatch_rows(batch_rows: int, microbatches: int) -> int:
     """Rows a padded batch needs so that it splits into equal micro-batches."""
     return math.ceil(batch_rows / microbatches) * microbatches
+
+
+# ---------------------------------------------------------------------------------------------
+# The step the custom loop drives (hftk.engine.loop's step protocol)
+# ---------------------------------------------------------------------------------------------
+
+def _pad_rows(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """Append copies of row 0 with every label ignored, so a short batch still splits into equal micro-batches.
+
+    The loss is divided by the count of real labels, so padded rows change nothing.
+    """
+    batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}  # bfd's use_cache flag: stages keep none
+    extra = rows - batch["input_ids"].shape[0]
+    if extra <= 0:
+        return batch
+    out = {k: torch.cat([v, v[:1].expand(extra, *v.shape[1:])]) for k, v in batch.items()}
+    out["labels"][-extra:] = -100
+    return out
+
+
+def _loss_shifts_labels(model: Any) -> bool:
+    """The Trainer's own rule for counting ``num_items_in_batch`` (``Trainer._loss_shifts_labels``).
+
+    Only a model whose ``loss_type`` maps to ``ForCausalLMLoss`` gets its labels counted
+    shifted by one; others (hftk's built-ins, whose config leaves ``loss_type`` unset) count
+    every label. Parity with a Trainer run needs the same divisor, so the rule is mirrored.
+    """
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    return (LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
+            and not getattr(model.config, "is_encoder_decoder", False))
+
+
+class PipelineStep:
+    """This rank's stages as the custom loop drives them: one optimizer step's batches through the
+    schedule, gradients summed over replicas and the tied embedding, the global norm over stages."""
+
+    monitored = None  # a stage's micro-batches interleave with its waits: no forward-to-last-gradient compute time
+
+    def __init__(self, model: nn.Module, cfg: RunConfig, args: Any) -> None:
+        from transformers import Trainer
+
+        self.topo = topology(cfg.strategy.pp_size, args.device)
+        names = set(Trainer.get_decay_parameter_names(None, model))  # uses no Trainer state
+        # by identity: a tied LM head on the last stage is the embedding's tensor, in the same group on both stages
+        self.decay_ids = {id(p) for n, p in model.named_parameters() if n in names}
+        self.count_shifted = _loss_shifts_labels(model)
+        self.config = model.config
+        self.schedule_name = cfg.strategy.pp_schedule
+        self.rt = build_runtime(model, cfg.strategy, self.topo, bf16=bool(args.bf16))
+        # every batch padded to these rows: stages keep the shapes they were built for, short batches included
+        self.train_rows = microbatch_rows(args.per_device_train_batch_size, self.rt.microbatches)
+        self.eval_rows = microbatch_rows(args.per_device_eval_batch_size, self.rt.microbatches)
+        self.module = nn.ModuleList(self.rt.stages)
+        self.device, self.dp_size, self.dp_rank = self.topo.device, self.topo.dp_size, self.topo.dp_rank
+        self.params = self.rt.params
+        self.replica_key = self.topo.pp_rank  # replicas of one stage must hold equal weights
+        self.describe = {"pp_size": self.topo.pp_size, "dp_size": self.topo.dp_size, "num_stages": self.rt.num_stages,
+                         "schedule": self.schedule_name, "microbatches": self.rt.microbatches}
+
+    def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
+        trainable_params = [p for _, p in trainable(self.rt)]
+        return [{"params": [p for p in trainable_params if id(p) in self.decay_ids], "weight_decay": weight_decay},
+                {"params": [p for p in trainable_params if id(p) not in self.decay_ids], "weight_decay": 0.0}]
+
+    def _label_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = batch["labels"][..., 1:] if self.count_shifted else batch["labels"]
+        return labels.ne(-100).sum()
+
+    def forward_backward(self, windows: list[dict[str, torch.Tensor]]) -> float:
+        """Every batch of one optimizer step through the schedule, loss over the step's label count (the
+        Trainer's ``num_items_in_batch``), gradients reduced; returns the global mean loss."""
+        rt = self.rt
+        tokens = sum(self._label_count(b) for b in windows).to(self.device).reshape(1)
+        if self.dp_size > 1:
+            dist.all_reduce(tokens, group=self.topo.dp_group)
+        divisor = tokens[0] / 1  # a float tensor, as the Trainer's num_items_in_batch
+        loss = torch.zeros((), device=self.device)
+        for batch in windows:
+            loss = loss + forward_backward(rt, _pad_rows(batch, self.train_rows), divisor)
+        reduce_gradients(rt)
+        total = loss.reshape(1).clone()
+        dist.all_reduce(total)  # only the last stage of each replica holds a loss
+        return float(total[0])
+
+    def clip_gradients(self, max_norm: float) -> float:
+        return float(clip_gradients(self.rt, max_norm))
+
+    def eval_sums(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(summed token loss, label count by the Trainer's rule) of one eval batch over every replica."""
+        loss = evaluate_batch(self.rt, _pad_rows(rows, self.eval_rows))
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.rt.holds_last:
+            total += torch.tensor([float(loss), float(self._label_count(rows))], dtype=torch.float64,
+                                  device=self.device)
+        dist.all_reduce(total)
+        return total
+
+    def save(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> None:
+        save_state(self.rt, optimizer, folder)
+        if dist.get_rank() == 0:
+            manifest_data = manifest(self.rt, self.schedule_name)
+            (folder / MANIFEST).write_text(json.dumps(manifest_data, indent=2) + "\n")
+
+    def load(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        load_state(self.rt, optimizer, folder)
+
+    def save_final(self, out: Path, tokenizer: Any, write_extra: Any, step: int) -> None:
+        """Collective: the stages written once more, then rank 0 consolidates them into one HF folder."""
+        import shutil
+
+        from hftk.checkpoint import staged_folder, staging_root
+        from hftk.hf_folder import check_complete, model_from, shapes_of
+
+        stages = staging_root(out.parent) / "final-stages"
+        if dist.get_rank() == 0:
+            shutil.rmtree(stages, ignore_errors=True)
+            stages.mkdir(parents=True)
+        dist.barrier()
+        self.save(stages, None)
+        dist.barrier()
+        with staged_folder(out, publisher=dist.get_rank() == 0, step=step) as final:
+            if dist.get_rank() == 0:
+                model = model_from(self.config, pipeline_state_dict(stages), out)
+                model.save_pretrained(final)
+                tokenizer.save_pretrained(final)
+                check_complete(final, shapes_of(model))
+                shutil.rmtree(stages)
+                write_extra(final)
+
+
+def build_step(model: nn.Module, cfg: RunConfig, args: Any) -> PipelineStep:
+    return PipelineStep(model, cfg, args)

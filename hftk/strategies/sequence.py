@@ -33,6 +33,8 @@ import torch
 from hftk.comm.collectives import BUCKET_BYTES, all_reduce_flat
 from hftk.config import RunConfig
 from hftk.errors import HftkError
+from hftk.strategies.mesh import LOOP_DEFAULTS as MESH_LOOP_DEFAULTS
+from hftk.strategies.mesh import mesh_step
 from hftk.parallel_dims import parallel_dims
 from hftk.support import check_family, check_lora
 
@@ -160,3 +162,11 @@ def estimate_memory(shape: Any, inputs: Any, sp: int) -> Any:
     counters = 4 * shape.trainable_tensors  # torch AdamW's per-parameter step counters
     return StrategyPlan(f"sp{sp}", shape.params * w, shape.params * w, 2 * shape.params * w + counters, bucket,
                         activations, RUNTIME_BYTES[inputs.device], 0)
+
+
+LOOP_DEFAULTS = MESH_LOOP_DEFAULTS  # the custom loop's defaults for options not given (engine/loop.training_overrides)
+
+
+def build_step(model: Any, cfg: RunConfig, args: Any) -> Any:
+    """The custom loop's step: ``model`` sharded by :func:`layout`."""
+    return mesh_step(model, cfg, args, layout)

@@ -18,7 +18,7 @@ order, from outside the model code:
 
 The ranks of one tensor- or context-parallel group read the same samples; the data-parallel
 ranks split each global batch. The HF Trainer cannot drive this layout (see
-:mod:`hftk.engine.mesh_loop`), so these strategies run on hftk's mesh loop. ``tp_size 1`` on one
+:mod:`hftk.strategies.mesh`), so these strategies run on hftk's custom loop. ``tp_size 1`` on one
 process is the plain model: the single-process reference the tests compare with.
 """
 
@@ -29,6 +29,8 @@ from typing import Any
 
 from hftk.config import RunConfig
 from hftk.errors import HftkError
+from hftk.strategies.mesh import LOOP_DEFAULTS as MESH_LOOP_DEFAULTS
+from hftk.strategies.mesh import mesh_step
 from hftk.parallel_dims import MESH_LOOP_DIMS, parallel_dims
 from hftk.support import check_lora
 
@@ -169,3 +171,11 @@ def plan_rows(model_config: Any, shape: Any, inputs: Any, tp_size: int, sp_size:
     for row in rows:
         row.fits = row.device_total <= inputs.device_memory_bytes * (1 - HEADROOM)
     return rows
+
+
+LOOP_DEFAULTS = MESH_LOOP_DEFAULTS  # the custom loop's defaults for options not given (engine/loop.training_overrides)
+
+
+def build_step(model: Any, cfg: RunConfig, args: Any) -> Any:
+    """The custom loop's step: ``model`` sharded by :func:`layout`."""
+    return mesh_step(model, cfg, args, layout)

@@ -42,13 +42,13 @@ def assert_stopped_by_a_full_disk(result, out) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["trainer", "zero2", "fsdp", "loop", "mesh_loop"])
+@pytest.mark.parametrize("engine", ["trainer", "zero2", "fsdp", "pipeline", "tp"])
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_stops_with_one_line(engine, tmp_path):
     """zero2 and fsdp: rank 0's model file fails before the optimizer save's collectives (DeepSpeed's
     barrier, FSDP's gather); without held write failures rank 1 waited there for the process-group timeout."""
     out = tmp_path / "run"
-    extra = {"trainer": [], "zero2": ["--strategy", "zero2"], "fsdp": ["--strategy", "fsdp"], "loop": PIPELINE,
-             "mesh_loop": TP}[engine]
+    extra = {"trainer": [], "zero2": ["--strategy", "zero2"], "fsdp": ["--strategy", "fsdp"], "pipeline": PIPELINE,
+             "tp": TP}[engine]
     full = torchrun(2, WORKERS / "fill_disk.py", [*TINY_ARGS, *DISK_ARGS, *extra, "--output_dir", str(out)],
                     timeout=400, env={"HFTK_FULL_AFTER_STEP": "5", "HFTK_FULL_BYTES": str(FULL_BYTES)})
     assert_stopped_by_a_full_disk(full, out)

@@ -113,8 +113,7 @@ def test_bfd_example_through_pipeline_stages_equals_the_example_alone(models, fa
     must build the packed mask from the travelling position ids (fails when they restart at 0 per stage)."""
     from transformers import AutoModelForCausalLM
 
-    from hftk.engine.loop import _pad_rows
-    from hftk.strategies.pipeline import build_stages
+    from hftk.strategies.pipeline import _pad_rows, build_stages
 
     model = AutoModelForCausalLM.from_pretrained(models[family], attn_implementation=attn).eval()
     items, batch = packed(model.config.vocab_size, fixed_length=32)
@@ -128,20 +127,20 @@ def test_bfd_example_through_pipeline_stages_equals_the_example_alone(models, fa
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bfd_example_through_the_mesh_loop_batch_equals_the_example_alone(models, family):
-    """The mesh loop's path (tp / cp / sp), in one process on the plain model (tp 1): its batch from the
-    collator at block_size and its ``loss_sum``. The position ids must be the collator's (fails with 0.. per
+def test_bfd_example_through_the_mesh_step_batch_equals_the_example_alone(models, family):
+    """The mesh strategies' path (tp / cp / sp), in one process on the plain model (tp 1): their batch from
+    the collator at block_size and their ``loss_sum``. The position ids must be the collator's (fails with 0.. per
     row); 2 ranks of tp then give this loop's losses (the slow test below)."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from hftk.engine.mesh_loop import loss_sum, make_batch, token_count
+    from hftk.strategies.mesh import loss_sum, model_batch, token_count
 
     model = AutoModelForCausalLM.from_pretrained(models[family]).eval()
     items = examples(model.config.vocab_size)
     rows_ = rows(dataset(items), "bfd", 32, "prompt_completion")
     collate = collator(DataConfig(packing="bfd", block_size=32), pad_id=0, fixed_length=32)
-    batch = make_batch(rows_, list(range(len(rows_))), "cpu", collate)
+    batch = model_batch(collate([rows_[i] for i in range(len(rows_))]), "cpu")
     assert set(batch) == {"input_ids", "position_ids", "shift_labels"} and batch["input_ids"].shape[1] == 32
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits

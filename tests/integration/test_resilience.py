@@ -175,8 +175,8 @@ EVAL_ARGS = [*TINY_ARGS, "--max_steps", "4", "--eval_strategy", "steps", "--eval
              "--per_device_eval_batch_size", "1", "--per_device_train_batch_size", "4"]
 ENGINES = {  # engine -> strategy options (2 ranks each)
     "trainer": ["--strategy", "ddp"],
-    "loop": ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2"],
-    "mesh_loop": ["--strategy", "tp", "--tp_size", "2"],
+    "pipeline": ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2"],
+    "tp": ["--strategy", "tp", "--tp_size", "2"],
 }
 
 
@@ -250,7 +250,7 @@ def test_a_checkpoint_saved_in_an_interrupted_evaluation_resumes(eval_preempted,
         assert max_weight_diff(load_weights(reference / "final"), load_weights(root / "run" / "final")) <= TOLERANCE
 
 
-@pytest.mark.parametrize("engine", ["trainer", "mesh_loop"])
+@pytest.mark.parametrize("engine", ["trainer", "tp"])
 def test_sigterm_in_the_step_before_an_evaluation_saves_without_evaluating(engine, tmp_path):
     """The signal lands inside step 2 (each step sleeps 6 s: 3 s per block, a window wide enough for torchrun's
     forwarding on a loaded machine); step 2's evaluation is due next and must not run."""

@@ -18,8 +18,7 @@ from tests.helpers import TINY_ARGS
 
 ENGINE_HOOKS = {  # what each engine calls on a strategy module
     "trainer": ("validate", "training_arguments", "prepare_model", "verify", "save_final"),
-    "mesh_loop": ("validate", "layout"),
-    "loop": ("validate",),
+    "loop": ("validate", "build_step"),
 }
 
 

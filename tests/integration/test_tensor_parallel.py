@@ -300,9 +300,9 @@ def test_final_folder_of_a_tp_run_is_pushed_to_the_hub(gpt2_tp, hub):
 
 
 @pytest.mark.slow
-def test_the_mesh_loop_reports_to_wandb_under_the_trainers_names(gpt2_tp):
+def test_tp_reports_to_wandb_through_the_trainers_callback(gpt2_tp):
     run = wandb_run(gpt2_tp)
-    logged = {row["_step"]: row["train/loss"] for row in run["history"] if "train/loss" in row}
+    logged = {row["train/global_step"]: row["train/loss"] for row in run["history"] if "train/loss" in row}
     assert logged == pytest.approx(losses(gpt2_tp), abs=1e-6)
     assert [row["eval/loss"] for row in run["history"] if "eval/loss" in row] == [_eval_loss(gpt2_tp)]
     assert (run["config"]["strategy"], run["config"]["tp_size"]) == ("tp", 2)
@@ -429,8 +429,8 @@ def test_final_folder_reloads_with_from_pretrained_and_gives_the_reference_eval_
 
     from hftk.data import tokenize_and_pack
     from hftk.data import collator
-    from hftk.engine.mesh_loop import loss_sum, make_batch, token_count
     from hftk.modeling import load_tokenizer
+    from hftk.strategies.mesh import loss_sum, model_batch, token_count
     from hftk.run import prepare
 
     ref, run = request.getfixturevalue(f"{model}_ref"), request.getfixturevalue(run)
@@ -441,8 +441,8 @@ def test_final_folder_reloads_with_from_pretrained_and_gives_the_reference_eval_
     total = tokens = 0.0
     with torch.no_grad():
         for start in range(0, len(data.eval), 8):
-            batch = make_batch(data.eval, list(range(start, min(start + 8, len(data.eval)))), "cpu",
-                               collator(prepared.cfg.data, 0, fixed_length=prepared.cfg.data.block_size))
+            collate = collator(prepared.cfg.data, 0, fixed_length=prepared.cfg.data.block_size)
+            batch = model_batch(collate([data.eval[i] for i in range(start, min(start + 8, len(data.eval)))]), "cpu")
             total += float(loss_sum(reloaded, batch))
             tokens += float(token_count(batch))
     assert total / tokens == pytest.approx(_eval_loss(ref), abs=TOL)
@@ -581,15 +581,31 @@ def test_cp_on_a_torch_without_the_ring_internals_fails_by_name(monkeypatch, tmp
 
 
 def test_data_parallel_ranks_split_each_global_batch_without_repeats():
-    from hftk.engine.mesh_loop import global_batches, rank_slice
+    """The loop's loader (accelerate's seedable sampler sharded over data-parallel replicas, as the Trainer's):
+    within one optimizer step the replicas read disjoint samples; an epoch reads every sample, the last short
+    batch filled from the start (``even_batches``), and the next epoch is reshuffled."""
+    from types import SimpleNamespace
 
-    micro, ranks = 3, 2
-    epoch = global_batches(50, micro * ranks, seed=7, epoch=0)
-    seen = [i for batch in epoch for rank in range(ranks) for i in rank_slice(batch, micro, rank)]
-    assert len(seen) == len(set(seen)) == 48  # every sample once per epoch; the remainder of 2 dropped
-    for batch in epoch:
-        assert sorted(rank_slice(batch, micro, 0) + rank_slice(batch, micro, 1)) == sorted(batch)
-    assert global_batches(50, 6, seed=7, epoch=1) != epoch  # reshuffled every epoch
+    from transformers import TrainingArguments
+
+    from hftk.engine.loop import _set_epoch, _train_loader
+
+    args = TrainingArguments("unused", per_device_train_batch_size=3, use_cpu=True, report_to=[])
+    loaders = [_train_loader(args, list(range(50)), SimpleNamespace(dp_size=2, dp_rank=r), lambda rows: rows)
+               for r in range(2)]
+
+    def epoch(e: int) -> list[list[list[int]]]:
+        for loader in loaders:
+            _set_epoch(loader, e)
+        return [list(loader) for loader in loaders]
+
+    first = epoch(0)
+    assert len(first[0]) == len(first[1]) == 9
+    for a, b in zip(*first):
+        assert not set(a) & set(b)  # one step's samples: no repeats across replicas
+    seen = [i for batches in first for batch in batches for i in batch]
+    assert set(seen) == set(range(50)) and len(seen) == 54  # 4 samples repeated to fill the last batches
+    assert epoch(1) != first
 
 
 @pytest.fixture()
@@ -602,33 +618,37 @@ def one_rank_group():
 
 
 def test_a_nonfinite_gradient_drops_the_update_and_a_signal_is_agreed(one_rank_group):
+    """The loop's stop rules on a tp step: a NaN gradient drops the update for every rank (gradients
+    cleared, so the optimizer leaves the weights alone) and a signal seen here stops the run."""
     import math
+    import signal
+    from types import SimpleNamespace
 
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     from hftk.builtin import materialize_model
     from hftk.config import load_config
-    from hftk.engine import mesh_loop
+    from hftk.engine.loop import _guard
+    from hftk.resilience import EXIT_PREEMPTED, PreemptionSignal
     from hftk.strategies import tensor
 
-    cfg = load_config([*LLAMA, "--strategy", "tp", "--learning_rate", "1e-3"])
-    layout = tensor.layout(AutoModelForCausalLM.from_pretrained(materialize_model("builtin:llama-tiny")), cfg, "cpu")
-    model = layout.model
-    args = mesh_loop.loop_args(cfg)
-    args.lr_scheduler_type, args.warmup_steps = "linear", 0
-    optimizer = mesh_loop.build_optimizer(model, args)
-    scheduler = mesh_loop.build_scheduler(optimizer, args, 10)
+    cfg = load_config([*LLAMA, "--strategy", "tp", "--nan_policy", "skip"])
+    model = AutoModelForCausalLM.from_pretrained(materialize_model("builtin:llama-tiny"))
+    step = tensor.build_step(model, cfg, SimpleNamespace(bf16=False))
+    optimizer = torch.optim.AdamW(step.param_groups(0.0), lr=1e-3)
     ids = torch.randint(0, 2048, (2, 16))
-    batch = {"input_ids": ids, "position_ids": torch.arange(16).expand_as(ids),
-             "shift_labels": F.pad(ids[:, 1:], (0, 1), value=-100)}
     with torch.no_grad():
-        model.model.norm.weight[0] = float("nan")
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    out = mesh_loop.train_step(layout, [batch], optimizer, scheduler, 1.0, signalled=lambda: True)
-    assert out["skipped"] and out["preempted"] and not math.isfinite(out["loss"])
-    assert all(torch.allclose(before[n], p, equal_nan=True) for n, p in model.named_parameters())
-    assert not optimizer.state and scheduler.last_epoch == 1  # no update, but the schedule advanced
+        step.module.model.norm.weight[0] = float("nan")
+    before = {n: p.detach().clone() for n, p in step.params}
+    assert not math.isfinite(step.forward_backward([{"input_ids": ids, "labels": ids}]))
+    preemption = PreemptionSignal()
+    preemption.received = signal.SIGTERM
+    run = SimpleNamespace(step=step, signal=preemption, prepared=SimpleNamespace(cfg=cfg), exit_code=None,
+                          stop_reason="")
+    assert _guard(run) and run.exit_code == EXIT_PREEMPTED and "SIGTERM" in run.stop_reason
+    optimizer.step()
+    assert all(torch.allclose(before[n], p, equal_nan=True) for n, p in step.params)
+    assert not optimizer.state  # no parameter had a gradient: nothing was updated
 
 
 def test_hftk_plan_shows_tp_sp_and_cp_rows(capsys):

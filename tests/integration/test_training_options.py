@@ -47,24 +47,24 @@ def test_the_view_equals_what_training_arguments_make_of_the_same_config(tmp_pat
 def test_no_module_reads_a_training_option_with_a_default_of_its_own():
     """``x.get("<TrainingArguments field>", default)`` is the pattern ``cfg.args`` replaced."""
     fields = _training_fields()
-    allowed = 'get("optim", "adamw_torch")'  # the mesh loop's own AdamW when --optim is not given (loop_args)
     found = [f"{path.relative_to(ROOT)}:{i}: {m.group(0)}" for path in sorted((ROOT / "hftk").rglob("*.py"))
              for i, line in enumerate(path.read_text().splitlines(), 1)
              for m in re.finditer(r'\.get\("([a-z_0-9]+)",\s*[^)]+\)', line)
-             if m.group(1) in fields and allowed not in m.group(0)]
+             if m.group(1) in fields]
     assert not found, found
 
 
 def test_an_option_given_at_training_arguments_default_still_counts_as_given(tmp_path):
-    """The mesh loop keeps torch's unfused AdamW unless --optim is given: asking for adamw_torch_fused
+    """tp / cp / sp keep torch's unfused AdamW unless --optim is given: asking for adamw_torch_fused
     (TrainingArguments' own default, so left out of cfg.training) on the command line or in YAML gets it."""
-    from hftk.engine.mesh_loop import loop_args
+    from hftk.engine.loop import training_overrides
 
     base = ["--strategy", "tp", "--model_name_or_path", "builtin:gpt2-tiny"]
-    assert loop_args(load_config(base)).optim == "adamw_torch"
+    assert training_overrides(load_config(base)) == {"optim": "adamw_torch"}
     cli = load_config([*base, "--optim", "adamw_torch_fused"])
-    assert "optim" not in cli.training and "optim" in cli.given and loop_args(cli).optim == "adamw_torch_fused"
+    assert "optim" not in cli.training and "optim" in cli.given and training_overrides(cli) == {}
     (tmp_path / "run.yaml").write_text("training:\n  optim: adamw_torch_fused\n")
     yaml = load_config([*base, "--config", str(tmp_path / "run.yaml")])
-    assert loop_args(yaml).optim == "adamw_torch_fused"
+    assert training_overrides(yaml) == {}
+    assert training_overrides(load_config(["--strategy", "pipeline", "--pp_size", "2"])) == {}
     assert load_config([*base, "--seed", "3"]).given == {"seed"}  # model / strategy options are not training ones

@@ -1,16 +1,15 @@
 """Packed data whose block count does not divide over ranks x batch, and an eval set of one block
 (issue 18, long-run faults): every engine on 2 ranks finishes (under a timeout), every rank takes
 part in every optimizer step, every evaluation runs on every rank (the per-batch agreement of
-``resilience.check_evaluation`` / ``preemptible`` would hang a rank left out: the timeout fails it),
+``resilience.check_evaluation`` would hang a rank left out: the timeout fails it),
 and the final eval loss is that of the one block, computed in this process by a plain
 ``transformers.Trainer`` on the run's final weights.
 
-One run per strategy: ddp, fsdp and zero3 (the Trainer), pipeline (``engine/loop``), tp, cp and sp
-(``engine/mesh_loop``); one 2-rank launch per engine (``finetune_cells``). Two epochs, so the uneven
-remainder meets an epoch boundary. Each engine's own rule for the remainder: the Trainer's sharded
-loader fills the last batch with repeated blocks (accelerate's ``even_batches``), the pipeline loop
-uses the same loader over its one data-parallel replica (a short last batch), the mesh loop drops
-the incomplete global batch.
+One run per strategy: ddp, fsdp and zero3 (the Trainer), pipeline, tp, cp and sp (hftk's custom loop,
+``engine/loop``); one 2-rank launch per engine (``finetune_cells``). Two epochs, so the uneven
+remainder meets an epoch boundary. Both engines take the Trainer's rule for the remainder: the sharded
+loader fills the last batch with repeated blocks (accelerate's ``even_batches``); the custom loop's
+strategies here have one data-parallel replica, so their last batch is short.
 """
 
 from __future__ import annotations
@@ -33,13 +32,9 @@ STRATEGIES = {"ddp": [], "fsdp": ["--strategy", "fsdp"], "zero3": ["--strategy",
 
 
 def steps_per_epoch(strategy: str, blocks: int) -> int:
-    """Optimizer steps of one epoch by the engine's rule for a remainder (module docstring); the
-    pipeline and the mesh strategies here have one data-parallel replica, the Trainer's two."""
-    if strategy in ("ddp", "fsdp", "zero3"):
-        return math.ceil(blocks / (BATCH * RANKS))
-    if strategy == "pipeline":
-        return math.ceil(blocks / BATCH)
-    return blocks // BATCH
+    """Optimizer steps of one epoch (module docstring): the custom loop's strategies here have one
+    data-parallel replica, the Trainer's two."""
+    return math.ceil(blocks / (BATCH * (RANKS if strategy in ("ddp", "fsdp", "zero3") else 1)))
 
 
 @pytest.mark.slow

@@ -78,8 +78,8 @@ def probe_sp() -> dict:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from hftk.config import load_config
-    from hftk.engine import mesh_loop
     from hftk.strategies import sequence
+    from hftk.strategies.mesh import MeshStep, all_reduce_sum, loss_sum, token_count
 
     torch.manual_seed(2)
     ids = torch.randint(0, 2048, (2, 64))
@@ -88,7 +88,7 @@ def probe_sp() -> dict:
     reference = load("llama-tiny")
     reference.set_attn_implementation("sdpa")
     with torch.no_grad():
-        expected = float(mesh_loop.loss_sum(reference, batch)) / float(mesh_loop.token_count(batch))
+        expected = float(loss_sum(reference, batch)) / float(token_count(batch))
     core_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     model = load("llama-tiny")  # from_pretrained: eval mode
@@ -99,9 +99,9 @@ def probe_sp() -> dict:
 
     def sp_loss() -> float:
         local = layout.shard_batch(batch)
-        tokens = mesh_loop.all_reduce_sum(mesh_loop.token_count(local), layout.data_groups)
+        tokens = all_reduce_sum(token_count(local), layout.data_groups)
         with torch.no_grad():
-            total = mesh_loop.all_reduce_sum(mesh_loop.loss_sum(model, local).double(), layout.data_groups)
+            total = all_reduce_sum(loss_sum(model, local).double(), layout.data_groups)
         return float(total / tokens)
 
     model.eval()
@@ -109,9 +109,7 @@ def probe_sp() -> dict:
 
     # One real train step from eval mode, with a learning rate of 0 (the weights stay put).
     model.eval()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    step = mesh_loop.train_step(layout, [batch], optimizer, scheduler, max_grad_norm=0.0)
+    step_loss = MeshStep(layout, torch.device("cpu")).forward_backward([{"input_ids": ids, "labels": ids}])
     train_mode_after_step = model.training
 
     # accelerate's registration of the same adapter: disable_in_eval=True.
@@ -128,7 +126,7 @@ def probe_sp() -> dict:
     trap_loss = sp_loss()
     ALL_ATTENTION_FUNCTIONS["sdpa"] = hftk_attention
     return {
-        "expected": expected, "eval_mode_loss": eval_mode_loss, "train_step_loss": step["loss"],
+        "expected": expected, "eval_mode_loss": eval_mode_loss, "train_step_loss": step_loss,
         "accelerate_eval_mode_loss": trap_loss, "loaded_in_train_mode": loaded_in_train_mode,
         "train_mode_after_layout": train_mode_after_layout, "train_mode_after_step": train_mode_after_step,
     }
