@@ -33,3 +33,21 @@ def _builtin_models() -> None:
 
     for name in ("builtin:gpt2-tiny",):
         materialize_model(name)
+
+
+@pytest.fixture(scope="module")
+def tiny_shape():
+    """The plan's view of builtin:gpt2-tiny (meta-device shape and activation traces), shared by the
+    plan's unit and integration tests."""
+    from hftk.builtin import builtin_model_config
+    from hftk.plan import model_shape
+
+    return model_shape(builtin_model_config("builtin:gpt2-tiny"))
+
+
+@pytest.fixture()
+def builtin_cache(tmp_path, monkeypatch):
+    """An empty built-in model cache of the test's own (``HFTK_CACHE``)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("HFTK_CACHE", str(root))
+    return root

@@ -10,10 +10,10 @@ import textwrap
 
 from hftk.builtin import WEIGHTS
 from tests.helpers import torchrun
-from tests.unit.test_builtin import NAME, cache  # noqa: F401  (cache: a fixture, pytest finds it here)
+from tests.unit.test_builtin import NAME
 
 
-def test_a_rank_transformers_skips_never_publishes_a_folder(cache, tmp_path):
+def test_a_rank_transformers_skips_never_publishes_a_folder(builtin_cache, tmp_path):
     """Rank 1 materialises inside a process group while rank 0 waits: it must fail by name, not cache
     a folder without weights; rank 0, in its turn, writes the complete one."""
     worker = tmp_path / "worker.py"
@@ -37,7 +37,7 @@ def test_a_rank_transformers_skips_never_publishes_a_folder(cache, tmp_path):
         dist.barrier()
         dist.destroy_process_group()
     """))
-    result = torchrun(2, worker, [], timeout=180, env={"HFTK_CACHE": str(cache)})
+    result = torchrun(2, worker, [], timeout=180, env={"HFTK_CACHE": str(builtin_cache)})
     assert result.returncode == 0, result.output[-4000:]
     assert f"RANK1 refused: model.model_name_or_path: the folder of {NAME} lacks config.json, {WEIGHTS}" \
         in result.output, result.output[-4000:]

@@ -13,7 +13,6 @@ from hftk import allocator
 from hftk.builtin import builtin_model_config
 from hftk.plan import GIB, HEADROOM, MIB, PLAN_STRATEGIES, PlanInputs, estimate, model_shape, plan
 from tests.helpers import FINETUNE, ROOT, finetune_cells, free_port, metrics, run, torchrun
-from tests.unit.test_plan import tiny_shape  # noqa: F401  (a fixture: pytest finds it here)
 
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 MICRO_BATCH = 4

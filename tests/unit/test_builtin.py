@@ -12,24 +12,17 @@ from hftk.errors import HftkError
 NAME = "builtin:gpt2-tiny"
 
 
-@pytest.fixture()
-def cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("HFTK_CACHE", str(root))
-    return root
-
-
-def test_prepare_writes_a_builtin_before_any_process_group(cache, tmp_path):
+def test_prepare_writes_a_builtin_before_any_process_group(builtin_cache, tmp_path):
     from hftk.run import prepare
 
     prepare(["--model_name_or_path", NAME, "--output_dir", str(tmp_path / "out")])
-    folders = list((cache / "models").iterdir())
+    folders = list((builtin_cache / "models").iterdir())
     assert [f.name.split("-")[:2] for f in folders] == [["gpt2", "tiny"]]  # no temporary folder left behind
     assert (folders[0] / "config.json").is_file() and (folders[0] / WEIGHTS).is_file()
     assert not dist.is_initialized()
 
 
-def test_an_incomplete_cached_folder_is_named_not_loaded(cache):
+def test_an_incomplete_cached_folder_is_named_not_loaded(builtin_cache):
     folder = materialize_model(NAME)
     (folder / WEIGHTS).unlink()
     with pytest.raises(HftkError, match=f"lacks {WEIGHTS} .*Fix: delete {folder}"):

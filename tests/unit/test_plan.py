@@ -13,11 +13,6 @@ from hftk.plan import GIB, HEADROOM, PLAN_STRATEGIES, PlanInputs, estimate, mode
 from tests.helpers import TINY_ARGS
 
 
-@pytest.fixture(scope="module")
-def tiny_shape():
-    return model_shape(builtin_model_config("builtin:gpt2-tiny"))
-
-
 def test_meta_shape_counts_what_the_real_model_holds(tiny_shape):
     from transformers import AutoModelForCausalLM
 
