@@ -230,7 +230,8 @@ class TrackingConfig:
         "(slowest minus fastest compute time, forward start to last gradient, over the wall step time)."
     )
     check_sync_steps: int = _opt(
-        0, "Every N optimizer steps, hash each rank's replicated parameters and log whether all ranks agree (0: off)."
+        0, "Every N optimizer steps, hash each rank's replicated parameters and log whether all replicas agree "
+        "(ddp, ZeRO, each pipeline stage's replicas; refused under tp / cp / sp, whose shards have no replicas; 0: off)."
     )
     comm_profile_steps: int = _opt(
         50, "Profile step 3 and then every N-th optimizer step with torch.profiler to log the communication share "

@@ -93,23 +93,32 @@ def _gathered_zero3(params: list[Any]) -> Any:
 class SyncCheckCallback(TrainerCallback):
     """Every ``every`` steps, all-gathers each rank's parameter digest; logs ``ranks_in_sync``.
 
-    Meant for replicated layouts (DDP, DeepSpeed ZeRO after gathering): a data-parallel run whose
-    replicas drift apart trains garbage without an error.
+    Replicas must hold bitwise-equal weights: a data-parallel run whose replicas drift apart trains
+    garbage without an error. ``replica_key`` groups the ranks that must agree (the custom loop: one
+    group per pipeline stage); by default all of them (DDP, DeepSpeed ZeRO after gathering).
+    ``module``: what to digest when the engine hands the callbacks no model (pipeline stages).
     """
 
-    def __init__(self, every: int, metrics_path: Path) -> None:
+    def __init__(self, every: int, metrics_path: Path, replica_key: Any = None, module: Any = None) -> None:
         self.every = every
         self.metrics_path = metrics_path
+        self.replica_key = replica_key
+        self.module = module
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         from hftk.comm.collectives import gather_objects
 
         if state.global_step % self.every:
             return
-        digests = gather_objects(parameter_digest(model))
+        digests = gather_objects((self.replica_key, parameter_digest(self.module if self.module is not None
+                                                                      else model)))
         if state.is_world_process_zero:
-            append_jsonl(self.metrics_path, {"step": state.global_step, "ranks_in_sync": len(set(digests)) == 1,
-                                             "param_digests": digests})
+            groups: dict[Any, set[str]] = {}
+            for key, digest in digests:
+                groups.setdefault(key, set()).add(digest)
+            append_jsonl(self.metrics_path, {"step": state.global_step,
+                                             "ranks_in_sync": all(len(g) == 1 for g in groups.values()),
+                                             "param_digests": [digest for _, digest in digests]})
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

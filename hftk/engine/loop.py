@@ -22,7 +22,7 @@ Trainer run of the same config take the same steps:
 The step protocol: attributes ``device``, ``dp_size``, ``dp_rank``, ``params`` (named parameters
 of this rank), ``module`` (what the rank holds, for memory counts), ``monitored`` (a model the
 rank monitor may hook, or None), ``config``, ``describe`` (logged once), ``replica_key`` (ranks
-whose weights must be equal share one; None: not checked); methods ``param_groups(weight_decay)``,
+whose weights must be equal share one); methods ``param_groups(weight_decay)``,
 ``forward_backward(batches) -> global mean loss``, ``clip_gradients(max_norm) -> norm``,
 ``eval_sums(batch) -> [loss sum, count]`` summed over the world, ``save(folder, optimizer)``,
 ``load(folder, optimizer)``, ``save_final(out, tokenizer, write_extra, step)``.
@@ -54,7 +54,7 @@ from hftk.engine.trainer import FINAL_DIR, build_training_arguments, load_data
 from hftk.hub import RunPusher
 from hftk.memory import model_state_bytes
 from hftk.modeling import load_model
-from hftk.monitor import MetricsCallback, append_jsonl, parameter_digest
+from hftk.monitor import MetricsCallback, SyncCheckCallback, append_jsonl
 from hftk.resilience import (EXIT_PREEMPTED, EvaluationInterrupted, PreemptionSignal, check_evaluation,
                              decide_step, nonfinite_gradients, stop_line)
 from hftk.run_record import run_record, save_run_record, write_run_files
@@ -86,7 +86,6 @@ class Run:
     last_logged: int = 0
     window_loss: float = 0.0  # summed step losses since the last log
     total_loss: float = 0.0  # summed step losses of this run (-> train_loss)
-    last_sync_check: int = -1
     signal: PreemptionSignal = field(default_factory=PreemptionSignal)
     exit_code: int | None = None  # set when preempted or nan_policy=stop: save, then exit with it
     stop_reason: str = ""
@@ -261,6 +260,9 @@ def _start_run(prepared: PreparedRun, args: Any, step: Any, tokenizer: Any, opti
     monitor = RankMonitor(step.device, cfg.tracking.imbalance_warn_threshold, cfg.tracking.comm_profile_steps)
     callbacks = [RankMonitorCallback(monitor, metrics_path), metrics_cb, DefaultFlowCallback,
                  *get_reporting_integration_callbacks(args.report_to)]
+    if cfg.tracking.check_sync_steps > 0:  # tp / cp / sp refuse it before launch: their shards have no replicas
+        callbacks.append(SyncCheckCallback(cfg.tracking.check_sync_steps, metrics_path, step.replica_key,
+                                           step.module))
     handler = CallbackHandler(callbacks, step.monitored, tokenizer, optimizer, scheduler)
     run = Run(prepared=prepared, args=args, step=step, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
               train_loader=train_loader, eval_set=eval_set, collate=collate, state=state, control=TrainerControl(),
@@ -431,11 +433,6 @@ def _maybe_log_save_evaluate(run: Run, grad_norm: float | None, lr: float | None
     if run.control.should_save:
         _save_checkpoint(run)
         run.control = run.handler.on_save(args, state, run.control)
-    every = run.prepared.cfg.tracking.check_sync_steps
-    if (every > 0 and run.step.replica_key is not None and state.global_step % every == 0
-            and state.global_step != run.last_sync_check):
-        run.last_sync_check = state.global_step
-        _check_replicas(run)
 
 
 def _log(run: Run, logs: dict[str, float]) -> None:
@@ -508,18 +505,6 @@ def _evaluate_unless_preempted(run: Run) -> dict[str, float]:
         run.exit_code, run.stop_reason = EXIT_PREEMPTED, f"preempted ({stop}) during evaluation"
         _stop_after_step(run)
         return {}
-
-
-def _check_replicas(run: Run) -> None:
-    """Replicas of each shard or stage must hold bitwise-equal weights; logged as ``ranks_in_sync``."""
-    digests = gather_objects((run.step.replica_key, parameter_digest(run.step.module)))
-    if run.rank == 0:
-        by_key: dict[Any, set[str]] = {}
-        for key, d in digests:
-            by_key.setdefault(key, set()).add(d)
-        append_jsonl(run.metrics_path, {"step": run.state.global_step,
-                                        "ranks_in_sync": all(len(v) == 1 for v in by_key.values()),
-                                        "param_digests": [d for _, d in digests]})
 
 
 def _finish(run: Run, start: float, start_step: int) -> dict[str, float]:

@@ -78,6 +78,10 @@ def check_training_options(cfg: Any, strategy: str) -> None:
         if key in CHOICES and value not in CHOICES[key]:
             raise HftkError(f"training.{key}", f"'{value}' is not supported with strategy {strategy}.",
                             f"use one of: {', '.join(map(str, CHOICES[key]))}.")
+    if cfg.tracking.check_sync_steps:
+        raise HftkError("tracking.check_sync_steps", f"has no replicas to compare under strategy {strategy}: a "
+                        "parameter's digest is taken from its gathered value, the same on every rank.",
+                        "remove it (it checks ddp, ZeRO and pipeline replicas).")
     report_to = cfg.training.get("report_to") or []
     for name in [report_to] if isinstance(report_to, str) else report_to:
         if name not in REPORTERS:
@@ -198,7 +202,7 @@ class MeshStep:
     dp_size = property(lambda self: self.layout.data_size)
     dp_rank = property(lambda self: self.layout.data_rank)
     describe = property(lambda self: self.layout.describe)
-    replica_key = None  # replicas of a DTensor shard are not compared (the mesh's collectives keep them equal)
+    replica_key = None  # never read: check_training_options refuses tracking.check_sync_steps
 
     @property
     def params(self) -> list[tuple[str, torch.nn.Parameter]]:
