@@ -36,6 +36,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from datetime import timedelta
 from itertools import islice
 from pathlib import Path
@@ -264,15 +265,14 @@ def _start_run(prepared: PreparedRun, args: Any, step: Any, tokenizer: Any, opti
         callbacks.append(SyncCheckCallback(cfg.tracking.check_sync_steps, metrics_path, step.replica_key,
                                            step.module))
     handler = CallbackHandler(callbacks, step.monitored, tokenizer, optimizer, scheduler)
+    checkpointer = Checkpointer(cfg.output_dir, step, optimizer,
+                                {"scheduler.pt": scheduler, "trainer_state.json": TrainerStateFile(state)},
+                                args.save_total_limit, samples_per_step, extra=partial(_write_adapter, step, adapter),
+                                config=step.config, tokenizer=tokenizer)
     run = Run(prepared=prepared, args=args, step=step, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
               train_loader=train_loader, eval_set=eval_set, collate=collate, state=state, control=TrainerControl(),
-              handler=handler, monitor=monitor, checkpointer=None,  # type: ignore[arg-type]  (set below)
-              metrics_path=metrics_path, adapter=adapter, lifetime_peak=lifetime_peak)
-    run.checkpointer = Checkpointer(cfg.output_dir, step, optimizer,
-                                    {"scheduler.pt": scheduler, "trainer_state.json": TrainerStateFile(state)},
-                                    args.save_total_limit, run.global_batch,
-                                    extra=lambda folder: _write_adapter(run, folder), config=step.config,
-                                    tokenizer=tokenizer)
+              handler=handler, monitor=monitor, checkpointer=checkpointer, metrics_path=metrics_path, adapter=adapter,
+              lifetime_peak=lifetime_peak)
     if cfg.training.get("push_to_hub") and dist.get_rank() == 0:
         run.pusher = RunPusher(cfg, args, dist.get_world_size(), prepared.data_format, metrics_path, step.dp_size)
     return run
@@ -542,14 +542,14 @@ def _save_checkpoint(run: Run) -> None:
         run.pusher.checkpoint_published(folder)
 
 
-def _write_adapter(run: Run, folder: Path) -> None:
+def _write_adapter(step: Any, adapter: tuple[Any, dict[str, tuple[int, ...]]] | None, folder: Path) -> None:
     """Collective under LoRA: every shard's adapter weights (replica 0's) gathered; rank 0 writes the adapter."""
-    if run.adapter is None:
+    if adapter is None:
         return
-    config, shapes = run.adapter
-    mine = {n: p.detach() for n, p in run.step.params if n in shapes} if run.step.dp_rank == 0 else {}
+    config, shapes = adapter
+    mine = {n: p.detach() for n, p in step.params if n in shapes} if step.dp_rank == 0 else {}
     tensors = lora.gather_pieces(mine)
-    if run.rank == 0:
+    if dist.get_rank() == 0:
         lora.write_adapter(folder, config, tensors, shapes)
 
 
@@ -564,7 +564,7 @@ def _save_final(run: Run, metrics: dict[str, float]) -> None:
 
     if run.adapter is not None:
         with staged_folder(out, publisher=run.rank == 0, step=step) as final:
-            _write_adapter(run, final)
+            _write_adapter(run.step, run.adapter, final)
             if run.rank == 0:
                 run.tokenizer.save_pretrained(final)
                 write_extra(final)
