@@ -1,11 +1,17 @@
 """The mesh strategies (tp / cp / sp: hftk/strategies/mesh.py and the strategies built on it) in one
-process: a layout they cannot run is one line naming the field, before any process group."""
+process: their batch and ``loss_sum`` keep packed examples apart, and a layout they cannot run is one line
+naming the field, before any process group."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from hftk.chat import IGNORE_INDEX
+from hftk.config import DataConfig
+from hftk.data import collator, rows
 from tests.helpers import cpu_only_cases
+from tests.unit.test_data import FAMILIES, assert_examples_apart, dataset, examples
 
 LLAMA = ["--model_name_or_path", "builtin:llama-tiny"]
 GPT2 = ["--model_name_or_path", "builtin:gpt2-tiny"]
@@ -72,3 +78,26 @@ def test_bad_layouts_fail_in_one_line_before_any_process_group(case_id, world, a
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"hftk: error: {field}:") and words in lines[0] and "Fix:" in lines[0], lines[0]
     assert not dist.is_initialized() and not out.exists()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfd_example_through_the_mesh_step_batch_equals_the_example_alone(family_models, family):
+    """The mesh strategies' path (tp / cp / sp), in one process on the plain model (tp 1): their batch from
+    the collator at block_size and their ``loss_sum``. The position ids must be the collator's (fails with 0.. per
+    row); 2 ranks of tp then give this loop's losses (the slow test below)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from hftk.strategies.mesh import loss_sum, model_batch, token_count
+
+    model = AutoModelForCausalLM.from_pretrained(family_models[family]).eval()
+    items = examples(model.config.vocab_size)
+    rows_ = rows(dataset(items), "bfd", 32, "prompt_completion")
+    collate = collator(DataConfig(packing="bfd", block_size=32), pad_id=0, fixed_length=32)
+    batch = model_batch(collate([rows_[i] for i in range(len(rows_))]), "cpu")
+    assert set(batch) == {"input_ids", "position_ids", "shift_labels"} and batch["input_ids"].shape[1] == 32
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        loss = float(loss_sum(model, batch) / token_count(batch))
+    labels = F.pad(batch["shift_labels"][:, :-1], (1, 0), value=IGNORE_INDEX)
+    assert_examples_apart(model, items, {**batch, "labels": labels}, logits, loss)

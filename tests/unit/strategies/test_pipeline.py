@@ -1,5 +1,5 @@
 """Pipeline stages (hftk/strategies/pipeline.py) in one process: stages cut from the HF model's own
-structure give its logits, blocks are split by parameters, and bad configs are named before any
+structure give its logits (packed examples kept apart), blocks are split by parameters, and bad configs are named before any
 process group (the multi-process proofs: tests/integration/test_pipeline.py)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY_ARGS
+from tests.unit.test_data import FAMILIES, assert_examples_apart, packed
 
 MODELS = {"gpt2": "builtin:gpt2-tiny4", "llama": "builtin:llama-tiny"}
 PIPE = ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "4"]
@@ -128,3 +129,23 @@ def test_bad_pipeline_config_is_named_before_any_process_group(case_id, world, a
     assert needle in err.value.one_line() and "Fix:" in err.value.one_line()
     assert not dist.is_initialized()
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family,attn", [*((f, "sdpa") for f in FAMILIES), ("gpt2", "eager"), ("llama", "eager")])
+def test_bfd_example_through_pipeline_stages_equals_the_example_alone(family_models, family, attn):
+    """The pipeline engine's path, in one process: its collator (rows of block_size), the batch's inputs as
+    ``_schedule_inputs`` hands them to every stage, and the stages run one after another. Each stage
+    must build the packed mask from the travelling position ids (fails when they restart at 0 per stage)."""
+    from transformers import AutoModelForCausalLM
+
+    from hftk.strategies.pipeline import _pad_rows, build_stages
+
+    model = AutoModelForCausalLM.from_pretrained(family_models[family], attn_implementation=attn).eval()
+    items, batch = packed(model.config.vocab_size, fixed_length=32)
+    batch = _pad_rows(batch, batch["input_ids"].shape[0] + 1)  # as a short batch is filled up to micro-batches
+    assert batch["input_ids"].shape[1] == 32 and set(batch) == {"input_ids", "labels", "position_ids"}
+    hidden = batch["input_ids"]
+    with torch.no_grad():
+        for stage in build_stages(model, 2):
+            hidden = stage(hidden, position_ids=batch["position_ids"])
+    assert_examples_apart(model, items, {k: v[:-1] for k, v in batch.items()}, hidden[:-1])
