@@ -8,15 +8,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from hftk.chat import IGNORE_INDEX
 from hftk.config import DataConfig, ModelConfig
-from hftk.data import check_raw, collator, eval_line, load_raw, tokenize_and_pack, tokenize_sources
+from hftk.data import check_raw, collator, eval_line, load_raw, rows, tokenize_and_pack, tokenize_sources
 from hftk.modeling import load_tokenizer
 from hftk.run import prepare
 
 TINY = ["--model_name_or_path", "builtin:gpt2-tiny", "--block_size", "256", "--eval_fraction", "0"]
-# One conversation per row (packing none) so rows can be read one by one; bfd is tests/integration/test_packing.py's.
+# One conversation per row (packing none) so rows can be read one by one; bfd is the packing section's below.
 CHAT = [*TINY, "--chat_template", "chatml", "--packing", "none"]
 
 
@@ -329,3 +330,117 @@ def test_local_file_formats(tmp_path, suffix, write):
     cfg = DataConfig(dataset=str(path))
     raw = load_raw(cfg)
     assert check_raw(cfg, raw) == "text" and len(raw["train"]) == 2
+
+
+# ---------------------------------------------------------------- packing that keeps examples apart (bfd)
+# In-process on small models of every family made from their default configs (the ``family_models`` fixture,
+# tests/unit/conftest.py): the logits of an example packed among others by best-fit decreasing equal those of
+# the same example run alone, and the packed loss equals the token-weighted mean of the examples' own losses;
+# dynamic padding (``none``) gives the block-padded loss. The same checks through the pipeline stages and the
+# mesh step's batch: tests/unit/strategies/test_pipeline.py, test_mesh.py.
+
+FAMILIES = ("gpt2", "llama", "qwen2", "gpt_neox", "mistral")
+
+
+LENGTHS = (5, 31, 12, 3, 20, 9, 17, 2, 26, 8)  # whole examples, block 32: several share a block
+
+
+def examples(vocab: int, prompt: int = 0) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n in LENGTHS:
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": [IGNORE_INDEX] * min(prompt, n - 1) + ids[min(prompt, n - 1):]})
+    return out
+
+
+def dataset(items: list[dict[str, list[int]]]):
+    import datasets
+
+    return datasets.Dataset.from_list(items)
+
+
+def alone(model, ex: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Logits, summed loss and labelled-token count of one example run by itself (no padding, no mask)."""
+    ids = torch.tensor([ex["input_ids"]])
+    logits = model(input_ids=ids, use_cache=False).logits[0]
+    labels = torch.tensor(ex["labels"][1:])
+    loss = torch.nn.functional.cross_entropy(logits[:-1], labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return logits, loss, int((labels != IGNORE_INDEX).sum())
+
+
+def packed(vocab: int, attention: str | None = None, fixed_length: int | None = None
+           ) -> tuple[list[dict[str, list[int]]], dict[str, torch.Tensor]]:
+    """The examples (every token labelled: an example's first label must be dropped) and one bfd batch of
+    all of them, as ``hftk.data.collator`` builds it for that attention / fixed length."""
+    items = examples(vocab)
+    cfg = DataConfig(packing="bfd", block_size=32)
+    rows_ = rows(dataset(items), "bfd", 32, "prompt_completion")
+    assert len(rows_) < len(items) and all(len(r) <= 32 for r in rows_["input_ids"])
+    assert sorted(n for r in rows_["seq_lengths"] for n in r) == sorted(LENGTHS)  # every example whole
+    batch = collator(cfg, pad_id=0, fixed_length=fixed_length, attention=attention)([rows_[i] for i in range(len(rows_))])
+    assert "attention_mask" not in batch
+    return items, batch
+
+
+def assert_examples_apart(model, items: list[dict[str, list[int]]], batch: dict[str, torch.Tensor],
+                          logits: torch.Tensor, loss: float | None = None) -> None:
+    """Each example's slice of the packed ``logits`` equals ``model`` run on it alone (1e-5), pad tokens are
+    segments of one with no label, and ``loss`` (when given) is the token mean of the examples' own losses."""
+    by_ids = {tuple(e["input_ids"]): e for e in items}
+    total, count, seen = 0.0, 0, 0
+    for row in range(batch["input_ids"].shape[0]):
+        starts = (batch["position_ids"][row] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
+        for start, end in zip(starts, starts[1:]):
+            ex = by_ids.get(tuple(batch["input_ids"][row, start:end].tolist()))
+            if ex is None:  # a pad token: its own segment, nothing learned from it
+                assert end - start == 1 and batch["labels"][row, start] == IGNORE_INDEX
+                continue
+            alone_logits, alone_loss, n = alone(model, ex)
+            torch.testing.assert_close(logits[row, start:end], alone_logits, atol=1e-5, rtol=0)
+            total, count, seen = total + alone_loss, count + n, seen + 1
+    assert seen == len(items)
+    assert count == int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())  # no label predicts a next example
+    if loss is not None:
+        assert loss == pytest.approx(total.item() / count, abs=1e-5)
+
+
+# sdpa for every family; eager where the attention code differs most (GPT-2's own, Llama's shared one).
+# Two layouts: the packed rows kept apart (sdpa / eager) and flattened into one row (what flash
+# attention's varlen path needs; sdpa reads the same position ids there too).
+@pytest.mark.parametrize("layout", ["rows", "flat"])
+@pytest.mark.parametrize("family,attn", [*((f, "sdpa") for f in FAMILIES), ("gpt2", "eager"), ("llama", "eager")])
+def test_bfd_example_equals_the_example_alone(family_models, family, attn, layout):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(family_models[family], attn_implementation=attn).eval()
+    items, batch = packed(model.config.vocab_size, "flash_attention_2" if layout == "flat" else attn)
+    if layout == "flat":
+        assert batch["input_ids"].shape == (1, sum(LENGTHS))  # one padding-free row
+    else:
+        assert batch["input_ids"].shape[0] > 1 and batch["input_ids"].shape[1] <= 32  # rows apart, not flattened
+    with torch.no_grad():
+        out = model(**batch)  # eval mode: without use_cache=False a cache would join the examples
+    assert_examples_apart(model, items, batch, out.logits, out.loss.item())
+
+
+def test_dynamic_padding_gives_the_block_padded_loss_on_fewer_tokens(family_models):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(family_models["llama"]).eval()
+    items = examples(model.config.vocab_size, prompt=2)
+    per_row = rows(dataset(items), "none", 32, "prompt_completion")
+    cfg = DataConfig(packing="none", block_size=32, pad_to_multiple_of=8)
+    losses, tokens = {}, {}
+    for name, collate in {"dynamic": collator(cfg, pad_id=0), "block": collator(cfg, pad_id=0, fixed_length=32)}.items():
+        total = count = computed = 0
+        for start in range(0, len(per_row), 4):  # batches of 4: lengths 5..31
+            batch = collate([per_row[i] for i in range(start, min(start + 4, len(per_row)))])
+            n = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+            with torch.no_grad():
+                total, count = total + model(**batch).loss.item() * n, count + n
+            computed += batch["input_ids"].numel()
+            assert batch["input_ids"].shape[1] % 8 == 0
+        losses[name], tokens[name] = total / count, computed
+    assert losses["dynamic"] == pytest.approx(losses["block"], abs=1e-6)
+    assert tokens["dynamic"] < tokens["block"] == 32 * len(LENGTHS)

@@ -1,5 +1,5 @@
 """The memory plan in one process (hftk.plan): shapes from the meta device, LoRA and quantized bases,
-the sharding order, ``auto``'s pick, the ``hftk plan`` command and its errors."""
+the sharding order, ``auto``'s pick, the ``hftk plan`` command (tp / sp / cp rows included) and its errors."""
 
 from __future__ import annotations
 
@@ -202,3 +202,23 @@ def test_plan_command_plans_qlora_for_the_strategies_that_train_it(capsys):
     assert out["inputs"]["optim_bits"] == 8
     assert main(["plan", "--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "1",
                  "--load_in_4bit"]) == 2  # a quantized base trains only adapters
+
+
+def test_hftk_plan_shows_tp_sp_and_cp_rows(capsys):
+    from hftk.errors import HftkError
+    from hftk.plan import plan_command
+
+    base = ["--model", "builtin:llama-tiny", "--world_size", "4", "--device_memory", "1", "--seq_len", "64"]
+    assert plan_command([*base, "--tp_size", "2", "--sp_size", "4"]) == 0
+    rows = {line.split("  ")[0].strip() for line in capsys.readouterr().out.splitlines()}
+    assert {"tp2 x fsdp2", "sp4", "ddp"} <= rows
+    long = ["--model", "builtin:llama-tiny", "--world_size", "4", "--device_memory", "1", "--seq_len", "256", "--json"]
+    assert plan_command([*long, "--cp_size", "4"]) == 0
+    plans = {p["strategy"]: p for p in json.loads(capsys.readouterr().out)["plans"]}
+    # 1/4 of every sequence per rank: less activation memory than FSDP2 over the same 4 ranks, same model state
+    assert plans["cp4"]["activations"] < plans["fsdp"]["activations"] / 3
+    assert plans["cp4"]["params"] == plans["fsdp"]["params"]
+    with pytest.raises(HftkError, match="--tp_size"):
+        plan_command([*base, "--tp_size", "3"])
+    with pytest.raises(HftkError, match="--cp_size"):
+        plan_command([*base, "--cp_size", "2", "--tp_size", "4"])

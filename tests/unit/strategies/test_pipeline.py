@@ -1,0 +1,151 @@
+"""Pipeline stages (hftk/strategies/pipeline.py) in one process: stages cut from the HF model's own
+structure give its logits (packed examples kept apart), blocks are split by parameters, and bad configs are named before any
+process group (the multi-process proofs: tests/integration/test_pipeline.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import TINY_ARGS
+from tests.unit.test_data import FAMILIES, assert_examples_apart, packed
+
+MODELS = {"gpt2": "builtin:gpt2-tiny4", "llama": "builtin:llama-tiny"}
+PIPE = ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "4"]
+
+
+def _tiny_configs():
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    small = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4)
+    return {
+        "gpt2": GPT2Config(vocab_size=128, n_layer=4, n_embd=32, n_head=4, n_positions=64, bos_token_id=0,
+                           eos_token_id=0),
+        "gpt_neox": GPTNeoXConfig(**small),
+        "llama": LlamaConfig(**small, num_key_value_heads=2),
+        "mistral": MistralConfig(**small, num_key_value_heads=2, sliding_window=8),
+        "qwen2": Qwen2Config(**small, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                             max_window_layers=2),
+    }
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama", "mistral", "qwen2"])
+def test_stage_chain_equals_model_forward(family):
+    """Stages called one after another give the model's own logits (padding mask, rotary, sliding window)."""
+    from transformers import AutoModelForCausalLM
+
+    from hftk.strategies.pipeline import build_stages
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_configs()[family]).eval()
+    ids = torch.randint(0, 128, (3, 20))
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        for n in (2, 3, 4):
+            stages = build_stages(model, n)
+            hidden = ids
+            for stage in stages:
+                hidden = stage(hidden, attention_mask=mask)
+            assert torch.equal(hidden, ref), n
+            names = [k for s in stages for k in s.full_state_dict()]
+            assert sorted(names) == sorted(model.state_dict()) and len(names) == len(set(names))
+
+
+def test_split_balances_parameters():
+    from hftk.strategies.pipeline import split_blocks
+
+    assert split_blocks([10] * 4, head=0, tail=0, n_stages=2) == [range(0, 2), range(2, 4)]
+    # heavy embeddings: the first stage takes fewer blocks
+    assert split_blocks([10] * 8, head=25, tail=0, n_stages=2) == [range(0, 3), range(3, 8)]
+    assert split_blocks([10] * 8, head=30, tail=30, n_stages=2) == [range(0, 4), range(4, 8)]
+    assert [len(r) for r in split_blocks([1] * 5, head=0, tail=0, n_stages=5)] == [1] * 5
+    with pytest.raises(ValueError):
+        split_blocks([1] * 3, head=0, tail=0, n_stages=4)
+
+
+def _opt_folder(tmp: Path) -> Path:
+    from transformers import OPTConfig
+
+    folder = tmp / "opt"
+    OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=4, ffn_dim=64, num_attention_heads=4).save_pretrained(folder)
+    return folder
+
+
+def _resume_folder(tmp: Path) -> Path:
+    from hftk.checkpoint import seal
+
+    ckpt = tmp / "out-resume" / "checkpoint-3"
+    ckpt.mkdir(parents=True)
+    (ckpt / "pipeline.json").write_text(json.dumps({"pp_size": 2, "dp_size": 1, "num_stages": 2}))
+    seal(ckpt, 3)
+    return tmp / "out-resume"
+
+
+ERRORS = [
+    # (id, world size, args, field named)
+    ("one_stage", 2, ["--pp_size", "1"], "strategy.pp_size"),
+    ("pp_size_without_pipeline", 2, ["--strategy", "ddp"], "strategy.pp_size"),
+    ("world_not_multiple", 3, [], "strategy.pp_size"),
+    ("microbatches_not_dividing", 2, ["--pp_microbatches", "3"], "strategy.pp_microbatches"),
+    ("1f1b_too_few_microbatches", 2, ["--pp_microbatches", "1"], "strategy.pp_microbatches"),
+    ("interleaved_rounds", 2, ["--pp_schedule", "interleaved_1f1b", "--pp_microbatches", "5",
+                               "--per_device_train_batch_size", "10"], "strategy.pp_microbatches"),
+    ("more_stages_than_layers", 4, ["--model_name_or_path", "builtin:gpt2-tiny", "--pp_size", "4"], "strategy.pp_size"),
+    ("interleaved_too_few_layers", 2, ["--model_name_or_path", "builtin:gpt2-tiny", "--pp_schedule", "interleaved_1f1b"],
+     "strategy.pp_virtual_stages"),
+    ("interleaved_one_virtual", 2, ["--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages", "1"],
+     "strategy.pp_virtual_stages"),
+    ("unsupported_architecture", 2, ["--model_name_or_path", "{opt}"], "'opt'"),
+    ("with_tp", 4, ["--tp_size", "2"], "strategy.tp_size"),
+    ("with_fsdp_sharding", 4, ["--dp_shard_size", "2"], "strategy.dp_shard_size"),
+    ("with_zero3", 2, ["--deepspeed", "{tmp}/ds.json"], "training.deepspeed"),
+    ("with_fsdp", 2, ["--fsdp", "full_shard"], "training.fsdp"),
+    ("with_compression", 2, ["--grad_compression", "fp16"], "strategy.grad_compression"),
+    ("resume_other_layout", 4, ["--output_dir", "{resume}", "--resume_from_checkpoint", "latest"],
+     "training.resume_from_checkpoint"),
+]
+
+
+@pytest.mark.parametrize("case_id,world,args,needle", ERRORS, ids=[e[0] for e in ERRORS])
+def test_bad_pipeline_config_is_named_before_any_process_group(case_id, world, args, needle, tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from hftk.errors import HftkError
+    from hftk.run import prepare
+
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    subs = {"{tmp}": str(tmp_path), "{opt}": str(_opt_folder(tmp_path)) if case_id == "unsupported_architecture" else "",
+            "{resume}": str(_resume_folder(tmp_path)) if case_id == "resume_other_layout" else ""}
+    args = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in args]
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(HftkError) as err:
+        prepare([*TINY_ARGS, "--model_name_or_path", MODELS["gpt2"], *PIPE, "--output_dir", str(tmp_path / "out"),
+                 *args])
+    assert needle in err.value.one_line() and "Fix:" in err.value.one_line()
+    assert not dist.is_initialized()
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family,attn", [*((f, "sdpa") for f in FAMILIES), ("gpt2", "eager"), ("llama", "eager")])
+def test_bfd_example_through_pipeline_stages_equals_the_example_alone(family_models, family, attn):
+    """The pipeline engine's path, in one process: its collator (rows of block_size), the batch's inputs as
+    ``_schedule_inputs`` hands them to every stage, and the stages run one after another. Each stage
+    must build the packed mask from the travelling position ids (fails when they restart at 0 per stage)."""
+    from transformers import AutoModelForCausalLM
+
+    from hftk.strategies.pipeline import _pad_rows, build_stages
+
+    model = AutoModelForCausalLM.from_pretrained(family_models[family], attn_implementation=attn).eval()
+    items, batch = packed(model.config.vocab_size, fixed_length=32)
+    batch = _pad_rows(batch, batch["input_ids"].shape[0] + 1)  # as a short batch is filled up to micro-batches
+    assert batch["input_ids"].shape[1] == 32 and set(batch) == {"input_ids", "labels", "position_ids"}
+    hidden = batch["input_ids"]
+    with torch.no_grad():
+        for stage in build_stages(model, 2):
+            hidden = stage(hidden, position_ids=batch["position_ids"])
+    assert_examples_apart(model, items, {k: v[:-1] for k, v in batch.items()}, hidden[:-1])
