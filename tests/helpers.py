@@ -97,14 +97,19 @@ def finetune(nproc: int, args: list[str], timeout: float = 300, env: dict[str, s
     return result
 
 
-def engine_of(args: list[str]) -> str:
-    """The hftk engine module a run with ``args`` trains with (the strategy table's ``engine``)."""
+def launch_group(strategy: str) -> str:
+    """Which runs may share one launch: the strategy table's ``engine``, except that the pipeline keeps a
+    launch of its own (a pipeline run after a tp / cp / sp run in one process group hung)."""
     from hftk import strategies
 
-    strategy = args[args.index("--strategy") + 1] if "--strategy" in args else "ddp"
     if strategy == "auto":  # the plan picks among the Trainer's strategies (hftk.plan.PLAN_STRATEGIES)
         return "trainer"
-    return strategies.spec(strategy).engine
+    return "pipeline" if strategy == "pipeline" else strategies.spec(strategy).engine
+
+
+def engine_of(args: list[str]) -> str:
+    """The launch group (:func:`launch_group`) of a run with ``args``."""
+    return launch_group(args[args.index("--strategy") + 1] if "--strategy" in args else "ddp")
 
 
 def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout: float | None = None,
@@ -112,9 +117,8 @@ def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout:
                    ) -> dict[str, str]:
     """Several finetune runs (the tiny defaults plus each cell's args) in one launch of ``nproc``
     processes per engine, one run after another (tests/workers/matrix_cells.py): each launch costs
-    10-40 s of imports and process-group start-up, so a test needing many runs shares them. Engines
-    launch in the order their first cell appears (a pipeline run after a mesh-loop run in one process
-    group hung: tests/integration/test_matrix.py). ``options[name]`` adds the worker's per-cell keys to cell ``name``
+    10-40 s of imports and process-group start-up, so a test needing many runs shares them. Launch
+    groups (:func:`launch_group`) start in the order their first cell appears. ``options[name]`` adds the worker's per-cell keys to cell ``name``
     (``copy``: [src, dst] copied before it; ``env``: variables it runs with; ``memory_out``: measure memory).
     Each launch gets ``timeout`` s, by default 600 plus 150 per run (a single run had 600; DeepSpeed's
     first use on a machine builds its C++ ops for minutes). Returns each cell's own output (its ranks'
@@ -265,3 +269,30 @@ NOISE = {
 def noise_in(output: str) -> list[str]:
     """Each :data:`NOISE` kind found in a launch's output, with the text that matched."""
     return [f"{name}: {m.group(0)!r}" for name, pattern in NOISE.items() if (m := pattern.search(output))]
+
+
+SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 128}
+GPT2_SIZES = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}
+# What rank 0 of a 2-rank torchrun launch sees, so in-process validation judges the launch itself.
+TWO_RANKS = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+
+
+def make_family(model_type: str, folder: Path) -> Path:
+    """A small model of ``model_type`` from its default config (dropout, tying, sliding window as
+    the family ships them), seeded weights and a tokenizer, saved as a user's folder would be."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from hftk.builtin import materialize_model
+
+    tokenizer = AutoTokenizer.from_pretrained(materialize_model("builtin:gpt2-tiny"))
+    sizes = dict(GPT2_SIZES if model_type == "gpt2" else SIZES)
+    if model_type == "gpt_neox":
+        sizes.pop("num_key_value_heads")
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, **sizes)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -5,8 +5,8 @@ The models are made here from each family's default config (small sizes) with ``
 as a user's own folder would be, not hftk's built-ins. A refusal is found in-process by
 ``hftk.run.prepare`` (validation, before any process group, as ``hftk train`` runs it). Every cell
 that passes validation runs for real on 2 gloo ranks for 2 optimizer steps; to stay cheap, the cells
-of one engine share one launch (tests/workers/matrix_cells.py: prepare + the strategy's engine, one
-cell after another in the same process group): 3 launches for ~80 runs.
+of one launch group share one launch (``tests.helpers.launch_group``; tests/workers/matrix_cells.py:
+prepare + the strategy's engine, one cell after another in the same process group): 3 launches for ~80 runs.
 """
 
 from __future__ import annotations
@@ -21,15 +21,12 @@ import pytest
 
 from hftk.families import FAMILIES
 from hftk.support import STRATEGIES, Refusal, expected
-from tests.helpers import ROOT, losses, torchrun
+from tests.helpers import ROOT, TWO_RANKS, launch_group, losses, make_family, torchrun
 
 # The first ZeRO-3 offload cell builds DeepSpeed's cpu_adam op once per machine (minutes, cached after).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 WORKER = ROOT / "tests" / "workers" / "matrix_cells.py"
-SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_position_embeddings": 128}
-GPT2_SIZES = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}
 COMMON = ["--model_dropout", "0", "--block_size", "32", "--max_train_samples", "200", "--max_steps", "2",
           "--per_device_train_batch_size", "2", "--lr_scheduler_type", "constant", "--learning_rate", "1e-3",
           "--warmup_steps", "0", "--logging_steps", "1", "--eval_fraction", "0", "--eval_strategy", "no",
@@ -37,36 +34,6 @@ COMMON = ["--model_dropout", "0", "--block_size", "32", "--max_train_samples", "
 STRATEGY_ARGS = {"pipeline": ["--pp_size", "2", "--pp_microbatches", "2"], "tp": ["--tp_size", "2"],
                  "cp": ["--cp_size", "2"], "sp": ["--sp_size", "2"]}
 LORA = ["--lora_r", "4"]
-# What rank 0 of a 2-rank torchrun launch sees, so in-process validation judges the launch itself.
-TWO_RANKS = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-
-
-def make_family(model_type: str, folder: Path) -> Path:
-    """A small model of ``model_type`` from its default config (dropout, tying, sliding window as
-    the family ships them), seeded weights and a tokenizer, saved as a user's folder would be."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from hftk.builtin import materialize_model
-
-    tokenizer = AutoTokenizer.from_pretrained(materialize_model("builtin:gpt2-tiny"))
-    sizes = dict(GPT2_SIZES if model_type == "gpt2" else SIZES)
-    if model_type == "gpt_neox":
-        sizes.pop("num_key_value_heads")
-    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, **sizes)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def engine_of(strategy: str) -> str:
-    """The engine module a strategy trains with; one launch per engine (a pipeline run after a mesh-loop
-    run in the same process group hung; runs of one engine share a launch safely)."""
-    from hftk import strategies
-
-    return strategies.spec(strategy).engine
 
 
 def cell_argv(strategy: str, model: Path, lora: bool, out: Path) -> list[str]:
@@ -122,20 +89,20 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
                     else:
                         cells.append({"name": out.name, "argv": argv, "key": (strategy, family, lora), "out": out})
     launches: dict[str, float] = {}
-    for engine in sorted({engine_of(c["key"][0]) for c in cells}):
-        spec = root / f"{engine}.json"
+    for group in sorted({launch_group(c["key"][0]) for c in cells}):
+        spec = root / f"{group}.json"
         spec.write_text(json.dumps({"out": str(root), "cells": [{"name": c["name"], "argv": c["argv"]}
-                                                                 for c in cells if engine_of(c["key"][0]) == engine]}))
+                                                                 for c in cells if launch_group(c["key"][0]) == group]}))
         launch_start = time.perf_counter()
         result = torchrun(2, WORKER, [str(spec)], timeout=900)
-        launches[engine] = time.perf_counter() - launch_start
-        assert result.returncode == 0, f"matrix launch ({engine} engine) failed:\n{result.output[-8000:]}"
+        launches[group] = time.perf_counter() - launch_start
+        assert result.returncode == 0, f"matrix launch ({group}) failed:\n{result.output[-8000:]}"
     for cell in cells:
         logged = losses(cell["out"])
         assert len(logged) == 2 and all(math.isfinite(v) for v in logged.values()), (cell["name"], logged)
         check_final(cell["out"] / "final", models[cell["key"][1]], cell["key"][2])
         outcomes[cell["key"]] = "trains"
-    summary = (f"\nmatrix: {len(cells)} cells trained (one 2-rank launch per engine), {len(outcomes) - len(cells)} "
+    summary = (f"\nmatrix: {len(cells)} cells trained (one 2-rank launch per launch group), {len(outcomes) - len(cells)} "
                f"refused before launch; {time.perf_counter() - start:.0f} s in all, launches: "
                + ", ".join(f"{engine} {seconds:.0f} s" for engine, seconds in launches.items())
                + f"\n{render_outcomes(outcomes)}")

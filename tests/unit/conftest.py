@@ -4,9 +4,9 @@ import pytest
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory):
     """A small model of every family in ``FAMILIES`` (tests/unit/test_data.py), from its default config
-    (``tests.integration.test_matrix.make_family``), made once for the packing exactness tests of the data,
+    (``tests.helpers.make_family``), made once for the packing exactness tests of the data,
     pipeline and mesh modules; read only."""
-    from tests.integration.test_matrix import make_family
+    from tests.helpers import make_family
     from tests.unit.test_data import FAMILIES
 
     root = tmp_path_factory.mktemp("families")

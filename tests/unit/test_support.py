@@ -79,7 +79,7 @@ CHAT = ["--model_name_or_path", "builtin:gpt2-tiny", "--chat_template", "chatml"
 ])
 def test_auto_packing_resolves_by_format_and_strategy(tmp_path, monkeypatch, args, packing):
     from hftk.run import prepare
-    from tests.integration.test_matrix import TWO_RANKS
+    from tests.helpers import TWO_RANKS
 
     for key, value in TWO_RANKS.items():
         monkeypatch.setenv(key, value)
@@ -103,7 +103,7 @@ def test_auto_packing_resolves_by_format_and_strategy(tmp_path, monkeypatch, arg
 def test_packing_a_strategy_cannot_honour_is_refused_before_launch(tmp_path, monkeypatch, args, field, words):
     from hftk.errors import HftkError
     from hftk.run import prepare
-    from tests.integration.test_matrix import TWO_RANKS
+    from tests.helpers import TWO_RANKS
 
     for key, value in TWO_RANKS.items():
         monkeypatch.setenv(key, value)
