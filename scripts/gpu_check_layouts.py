@@ -153,8 +153,9 @@ def ulysses(layout: Any) -> None:
 
 def pipeline_two_stages(device: str, dtype: torch.dtype | None) -> str:
     """pp2's one-device equivalent: hftk's 2-stage cut on one rank, torch's interleaved schedule in between."""
+    from transformers import Trainer
+
     from hftk.config import StrategyConfig, load_config
-    from hftk.engine import loop
     from hftk.strategies import pipeline
 
     fake_group(1)
@@ -167,8 +168,9 @@ def pipeline_two_stages(device: str, dtype: torch.dtype | None) -> str:
     check(rt.stage_indices == [0, 1] and [len(st.block_indices) for st in rt.stages] == [2, 2],
           f"stages {rt.stage_indices}, blocks {[st.block_indices for st in rt.stages]}")
     before = {n: p.detach().float().clone() for n, p in rt.params}
-    args = load_config(["--learning_rate", str(OPTIM.learning_rate), "--weight_decay", "0"]).args  # the Trainer's AdamW
-    optimizer = loop._make_optimizer(args, rt.params, {id(p) for _, p in rt.params})
+    args = load_config(["--learning_rate", str(OPTIM.learning_rate), "--weight_decay", "0"]).args
+    optimizer_class, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args)  # the Trainer's AdamW
+    optimizer = optimizer_class([p for _, p in rt.params], **optimizer_kwargs)
     b = batch(device, model.config.vocab_size)
     labels = b["input_ids"].clone()
     tokens = torch.tensor(float(BATCH * (SEQ - 1)), device=device)
