@@ -236,6 +236,15 @@ def test_sigterm_during_evaluation_saves_within_the_grace_period_and_exits_75(ev
     assert "Unable to shutdown process" not in stopped.stderr  # torchrun never had to SIGKILL
 
 
+@pytest.fixture(scope="module")
+def eval_reference(tmp_path_factory):
+    """The Trainer run of EVAL_ARGS, uninterrupted."""
+    out = tmp_path_factory.mktemp("eval_reference") / "run"
+    result = start(2, [*EVAL_ARGS, *ENGINES["trainer"]], out).finish(timeout=400)
+    assert result.returncode == 0, result.output[-6000:]
+    return out
+
+
 def test_a_checkpoint_saved_in_an_interrupted_evaluation_resumes(eval_preempted, request):
     root, _, _, _, resumed = eval_preempted
     assert resumed.returncode == 0, resumed.output[-6000:]
