@@ -45,9 +45,9 @@ class Checkpointer:
     objects: dict[str, Any]  # file name -> object with state_dict / load_state_dict (written by rank 0)
     save_total_limit: int | None
     global_batch: int
+    config: Any  # the model config, saved beside the shards
+    tokenizer: Any
     extra: Callable[[Path], None] = lambda folder: None  # collective: more of this rank's files (a LoRA adapter)
-    config: Any = None
-    tokenizer: Any = None
 
     def _write(self, folder: Path) -> None:
         self.step.save(folder, self.optimizer)

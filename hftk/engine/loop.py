@@ -267,8 +267,8 @@ def _start_run(prepared: PreparedRun, args: Any, step: Any, tokenizer: Any, opti
     handler = CallbackHandler(callbacks, step.monitored, tokenizer, optimizer, scheduler)
     checkpointer = Checkpointer(cfg.output_dir, step, optimizer,
                                 {"scheduler.pt": scheduler, "trainer_state.json": TrainerStateFile(state)},
-                                args.save_total_limit, samples_per_step, extra=partial(_write_adapter, step, adapter),
-                                config=step.config, tokenizer=tokenizer)
+                                args.save_total_limit, samples_per_step, step.config, tokenizer,
+                                extra=partial(_write_adapter, step, adapter))
     run = Run(prepared=prepared, args=args, step=step, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
               train_loader=train_loader, eval_set=eval_set, collate=collate, state=state, control=TrainerControl(),
               handler=handler, monitor=monitor, checkpointer=checkpointer, metrics_path=metrics_path, adapter=adapter,

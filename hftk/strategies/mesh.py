@@ -244,11 +244,10 @@ class MeshStep:
     def eval_sums(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
         """(summed token loss, token count) of one eval batch over the whole data-parallel world."""
         model = self.layout.model
-        model.eval()
+        model.eval()  # forward_backward puts it back in train mode
         batch = self.layout.shard_batch(model_batch(rows, self.device))
         with self.layout.loss_context():
             total = plain(loss_sum(model, batch, self.layout.autocast_dtype)).to(torch.float64)
-        model.train()
         return all_reduce_sum(torch.stack([total, token_count(batch)]), self.layout.data_groups)
 
     def save(self, folder: Path, optimizer: Any) -> None:
