@@ -1,1 +1,1 @@
-"""Training engines: the HF Trainer path (``trainer``) and the distributed-world guard."""
+"""Training engines: the HF Trainer path (``trainer``), the custom loop (``loop``) and the world-size guard."""
