@@ -111,9 +111,6 @@ def _refuse_combinations(cfg: RunConfig) -> None:
                         "per-stage gradients.", "leave it off with --strategy pipeline.")
     if t.get("fp16"):
         raise HftkError("training.fp16", "the pipeline engine has no fp16 loss scaler.", "use --bf16 instead.")
-    if t.get("push_to_hub"):
-        raise HftkError("training.push_to_hub", "the pipeline engine does not push during training.",
-                        "train, then push the consolidated folder: `hftk push OUTPUT_DIR/final REPO_ID`.")
     if t.get("load_best_model_at_end") or t.get("save_strategy") == "best":
         name = "training.load_best_model_at_end" if t.get("load_best_model_at_end") else "training.save_strategy"
         raise HftkError(name, "the pipeline engine keeps the newest checkpoints, not the best one.",

@@ -21,17 +21,28 @@ import torch
 
 from tests.helpers import (FINETUNE, TINY_ARGS, finetune_cells, load_weights, losses, max_weight_diff, metrics,
                            plain_reference, run)
+from tests.faults import TOKEN, hub_env
 from tests.unit.strategies.test_pipeline import MODELS, PIPE
 
 STEPS = 5
 DIVISORS = {"gpt2": "labels", "llama": "targets"}  # the Trainer's num_items_in_batch for each (see above)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+REPO = "hftk-test/tiny-gpt2-pipeline"
 COMMON = ["--max_steps", str(STEPS), "--per_device_train_batch_size", "8"]
 pytestmark = pytest.mark.timeout(1800)  # the first slow test launches every run
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def hub():
+    from tests.hub_server import HubServer
+
+    with HubServer(token=TOKEN) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, hub):
+    """The 4-rank pp x dp run also pushes its final folder to a local stand-in Hub."""
     root = tmp_path_factory.mktemp("pipeline")
     for name, model in MODELS.items():
         plain_reference("loop", root / f"ref-{name}", ["--max_steps", str(STEPS), "--batch_size", "8", "--optim",
@@ -50,7 +61,8 @@ def runs(tmp_path_factory):
                                                                     resumed / "checkpoint-3"]}})
     finetune_cells(4, {"gpt2-dp": [*gpt2, *PIPE, "--max_steps", str(STEPS), "--per_device_train_batch_size",
                                    "4", "--pp_schedule", "1f1b", "--check_sync_steps", "1", "--output_dir",
-                                   str(root / "gpt2-dp")]}, root)
+                                   str(root / "gpt2-dp"), "--push_to_hub", "--hub_model_id", REPO,
+                                   "--hub_strategy", "end"]}, root, env=hub_env(hub))
     return root
 
 
@@ -138,6 +150,20 @@ def test_run_record_and_card_count_processes_and_replicas(runs, folder, processe
     assert hyper["global_batch_size"] == hyper["per_device_train_batch_size"] * replicas
     card = (final / CARD_FILE).read_text()
     assert f"**pipeline** over {processes} process(es), {replicas} data-parallel replica(s)" in card
+
+
+@pytest.mark.slow
+def test_final_folder_of_a_pipeline_run_is_pushed_to_the_hub(runs, hub):
+    """The consolidated folder (rank 0 gathers the stages) is what reaches the Hub, with its card."""
+    from hftk.hub import folder_files
+    from hftk.run_record import CARD_FILE
+
+    final = runs / "gpt2-dp" / "final"
+    files = hub.state.files(REPO)
+    assert set(files) == {".gitattributes", *folder_files(final)}
+    assert files["model.safetensors"] == (final / "model.safetensors").read_bytes()
+    assert "**pipeline** over 4 process(es), 2 data-parallel replica(s)" in files[CARD_FILE].decode()
+    assert [m["hub_push"] for m in metrics(runs / "gpt2-dp") if "hub_push" in m] == ["ok"]
 
 
 @pytest.mark.slow
