@@ -26,12 +26,19 @@ import resource
 import shutil
 import sys
 import time
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from hftk import __version__
+from hftk.comm.collectives import gather_objects
+from hftk.errors import HftkError
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 COMPLETE_MARKER = "hftk_complete.json"  # written last, after every other file is on disk
@@ -41,13 +48,9 @@ RNG_FILE = "rng_state_{}.pth"  # one per rank, the Trainer's own name
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest to newest by step."""
-    if not Path(output_dir).is_dir():
-        return []
-    found = []
-    for child in Path(output_dir).iterdir():
-        match = CHECKPOINT_RE.match(child.name)
-        if match and child.is_dir() and is_complete(child):
-            found.append((int(match.group(1)), child))
+    children = Path(output_dir).iterdir() if Path(output_dir).is_dir() else ()
+    found = [(int(match.group(1)), child) for child in children
+             if (match := CHECKPOINT_RE.match(child.name)) and child.is_dir() and is_complete(child)]
     return [path for _, path in sorted(found)]
 
 
@@ -71,11 +74,9 @@ def continues_this_job(output_dir: Path) -> bool:
     """
     if restart_count() > 0:
         return True
-    run_id = elastic_run_id()
-    checkpoints = list_checkpoints(output_dir)
-    if run_id is None or not checkpoints:
-        return False
-    return json.loads((checkpoints[-1] / COMPLETE_MARKER).read_text()).get("elastic_run_id") == run_id
+    run_id, checkpoints = elastic_run_id(), list_checkpoints(output_dir)
+    return (run_id is not None and bool(checkpoints)
+            and json.loads((checkpoints[-1] / COMPLETE_MARKER).read_text()).get("elastic_run_id") == run_id)
 
 
 def resolve_resume(output_dir: Path, value: str | None) -> str | None:
@@ -85,17 +86,9 @@ def resolve_resume(output_dir: Path, value: str | None) -> str | None:
     command line asked for: the group must continue where it died, not where it first started.
     """
     checkpoints = list_checkpoints(output_dir)
-    if checkpoints and continues_this_job(output_dir):
+    if checkpoints and (continues_this_job(output_dir) or value == "latest"):
         return str(checkpoints[-1])
-    if not value:
-        return None
-    if value == "latest":
-        return str(checkpoints[-1]) if checkpoints else None
-    return value
-
-
-def checkpoint_name(step: int) -> str:
-    return f"checkpoint-{step}"
+    return value if value and value != "latest" else None
 
 
 def staging_root(output_dir: Path) -> Path:
@@ -117,8 +110,6 @@ def check_resumable(folder: Path, field: str = "training.resume_from_checkpoint"
     Raises one line naming the first file that is missing, has another size than the seal records,
     or whose header cannot be read (safetensors header and offsets, torch zip directory), before any
     process group: a damaged file would otherwise surface as a loader's traceback on every rank."""
-    from hftk.errors import HftkError
-
     folder = Path(folder)
     fix = "resume from another checkpoint-N folder (or 'latest', the newest complete one)."
     try:
@@ -133,18 +124,13 @@ def check_resumable(folder: Path, field: str = "training.resume_from_checkpoint"
         if actual != size:
             now = "is missing" if actual < 0 else f"has {actual} bytes"
             raise HftkError(field, f"{folder / rel} {now}; the seal records {size} bytes (damaged checkpoint).", fix)
-        problem = _header_problem(folder / rel)
-        if problem:
+        if problem := _header_problem(folder / rel):
             raise HftkError(field, f"{folder / rel} is damaged: {problem}.", fix)
 
 
 def _header_problem(path: Path) -> str | None:
     """Why ``path``'s header cannot be read (safetensors, or torch's zip format); None when it can or has none."""
-    import zipfile
-
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
         try:
             with safe_open(str(path), "pt") as f:  # parses the header and checks its offsets fit the file
                 f.keys()
@@ -176,8 +162,6 @@ def seal(folder: Path, step: int | None, global_batch: int | None = None) -> Non
 
     The marker also records the world size that wrote the folder and, from the Trainer, the global
     batch (samples per optimizer step): a resume at another world size is checked against them."""
-    from hftk import __version__
-
     folder = Path(folder)
     (folder / COMPLETE_MARKER).unlink(missing_ok=True)
     files: dict[str, int] = {}
@@ -218,28 +202,15 @@ def publish(staged: Path, final: Path, step: int | None, global_batch: int | Non
         staged.parent.rmdir()  # an empty staging folder would only puzzle whoever looks at the output dir
 
 
-def rotate(output_dir: Path, limit: int | None, protect: tuple[str | None, ...] = ()) -> list[Path]:
+def rotate(output_dir: Path, limit: int | None, protect: tuple[str | None, ...] = ()) -> None:
     """Keep the newest ``limit`` complete checkpoints (None or <= 0: keep all) plus ``protect``."""
     checkpoints = list_checkpoints(output_dir)
     if not limit or limit <= 0 or len(checkpoints) <= limit:
-        return []
+        return
     protected = {Path(p).resolve() for p in protect if p}
-    retired = [c for c in checkpoints[:-limit] if c.resolve() not in protected]
-    for checkpoint in retired:
-        retire(checkpoint)
-    return retired
-
-
-def discard_staging(output_dir: Path) -> list[Path]:
-    """Remove what saves cut short by a kill left in the staging folder; returns what was removed."""
-    root = staging_root(output_dir)
-    leftovers = sorted(root.iterdir()) if root.is_dir() else []
-    for path in leftovers:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    return leftovers
+    for checkpoint in checkpoints[:-limit]:
+        if checkpoint.resolve() not in protected:
+            retire(checkpoint)
 
 
 def announce_resume(output_dir: Path, resume: str | None, publisher: bool, world_size: int | None = None) -> None:
@@ -247,7 +218,12 @@ def announce_resume(output_dir: Path, resume: str | None, publisher: bool, world
     (and, given this launch's ``world_size``, what a resume at another world size does not carry over)."""
     if not publisher:
         return
-    for leftover in discard_staging(output_dir):
+    root = staging_root(output_dir)
+    for leftover in sorted(root.iterdir()) if root.is_dir() else []:
+        if leftover.is_dir():
+            shutil.rmtree(leftover)
+        else:
+            leftover.unlink()
         print(f"hftk: discarded incomplete save {leftover}", file=sys.stderr, flush=True)
     if resume:
         why = f" (elastic restart {restart_count()})" if restart_count() else ""
@@ -259,14 +235,10 @@ def announce_resume(output_dir: Path, resume: str | None, publisher: bool, world
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _world() -> int:
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -287,9 +259,7 @@ def saved_world(folder: Path) -> tuple[int | None, int | None]:
 
 
 def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _world() > 1:
         dist.barrier()
 
 
@@ -338,11 +308,8 @@ def staged_folder(final: Path, publisher: bool, step: int | None = None,
             shutil.rmtree(staged)
         staged.mkdir(parents=True)
     _barrier()
-    try:
+    with _settled(final, staged, publisher):
         yield staged
-    except BaseException as exc:  # settled below, collectively: no rank may be left waiting in a barrier
-        settle_write(final, staged, _write_error(exc), publisher)
-    settle_write(final, staged, None, publisher)  # every rank's files are written
     if publisher:
         publish(staged, final, step, global_batch)
     _barrier()  # nobody moves on before the folder is in place
@@ -389,14 +356,19 @@ def holding_write_failures() -> Iterator[None]:
 SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file size limit
 
 
-def _write_error(exc: BaseException) -> BaseException:
-    """``exc`` when it is a failed write to settle; an interpreter stop passes straight through.
-
-    Not just ``Exception``: DCP gathers every rank's write failure into a ``CheckpointException``,
-    which derives from ``BaseException``."""
-    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
-        raise exc
-    return exc
+@contextmanager
+def _settled(final: Path, staged: Path, publisher: bool) -> Iterator[None]:
+    """Collective: the body writes this rank's part of ``staged``; its failure (or none) is settled on every
+    rank by :func:`settle_write`, so no rank is left waiting in a barrier. An interpreter stop passes straight
+    through; not just ``Exception`` is settled: DCP gathers every rank's write failure into a
+    ``CheckpointException``, which derives from ``BaseException``."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:
+        settle_write(final, staged, exc, publisher)
+    settle_write(final, staged, None, publisher)
 
 
 def settle_write(final: Path, staged: Path, error: BaseException | None, publisher: bool) -> None:
@@ -407,13 +379,8 @@ def settle_write(final: Path, staged: Path, error: BaseException | None, publish
     and every rank raises: the one-line :class:`HftkError` when a write ran out of room (disk full,
     quota, ``RLIMIT_FSIZE``), naming the folder and the bytes it needs; otherwise the error itself.
     """
-    from hftk.comm.collectives import gather_objects
-
-    from hftk.errors import HftkError
-
     mine = None if error is None else (_out_of_room(final, staged, error), f"{type(error).__name__}: {error}")
-    reports = gather_objects(mine)
-    failures = [r for r in reports if r is not None]
+    failures = [r for r in gather_objects(mine) if r is not None]
     if not failures:
         return
     if publisher:
@@ -421,8 +388,7 @@ def settle_write(final: Path, staged: Path, error: BaseException | None, publish
         if staged.parent.is_dir() and not any(staged.parent.iterdir()):
             staged.parent.rmdir()
     _barrier()
-    room = next((line for line, _ in failures if line), None)
-    if room:
+    if room := next((line for line, _ in failures if line), None):
         raise HftkError("training.output_dir", room,
                         "free space there (or raise the file size limit, `ulimit -f`), then rerun with "
                         "--resume_from_checkpoint latest.")
@@ -488,7 +454,7 @@ def atomic_save(output_dir: Path, step: int, write: Callable[[Path], None], save
     Rank 0 publishes and then keeps the newest ``save_total_limit`` complete checkpoints. A loop whose
     checkpoints reshard gives ``global_batch``, sealed so a resume at another world size can keep it.
     """
-    final = Path(output_dir) / checkpoint_name(step)
+    final = Path(output_dir) / f"checkpoint-{step}"
     with staged_folder(final, publisher=_rank() == 0, step=step, global_batch=global_batch) as folder:
         write(folder)
     if _rank() == 0:
@@ -512,19 +478,15 @@ def install_atomic_checkpoints(trainer: Any, after_publish: Callable[[Path], Non
 
     def staged_save_checkpoint(model: Any, trial: Any) -> None:
         output_dir = Path(trainer.args.output_dir)
-        staged = staging_root(output_dir) / checkpoint_name(trainer.state.global_step)
+        staged = staging_root(output_dir) / f"checkpoint-{trainer.state.global_step}"
         if trainer.args.should_save and staged.exists():
             shutil.rmtree(staged)  # a save of this step cut short before a restart
         _barrier()
         saving.update(output_dir=output_dir, staged=staged)
         trainer.args.output_dir = str(staging_root(output_dir))
         try:
-            try:
-                with holding_write_failures():
-                    save_checkpoint(model, trial)
-            except BaseException as exc:  # settled collectively: no rank may be left waiting in a barrier
-                settle_write(output_dir / staged.name, staged, _write_error(exc), trainer.args.should_save)
-            settle_write(output_dir / staged.name, staged, None, trainer.args.should_save)
+            with _settled(output_dir / staged.name, staged, trainer.args.should_save), holding_write_failures():
+                save_checkpoint(model, trial)
         except BaseException:
             trainer.args.output_dir = str(output_dir)
             saving.clear()

@@ -10,9 +10,8 @@ renamed and rotated by :func:`hftk.checkpoint.atomic_save`, like the Trainer's o
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,7 +29,7 @@ class TrainerStateFile:
     RESUMED = ("global_step", "epoch", "log_history", "total_flos", "best_metric", "best_global_step")
 
     def state_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.state)
+        return asdict(self.state)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         for key in self.RESUMED:

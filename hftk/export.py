@@ -64,7 +64,7 @@ def export(checkpoint: Path, out: Path, merge: bool = False, base_model: str | N
     the adapter folder, or with ``merge`` as the base model with the adapter merged into it.
     Written into a temporary sibling and renamed, so ``out`` is either complete or absent.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     checkpoint, out = Path(checkpoint), Path(out)
     if out.exists() and any(out.iterdir()):
@@ -75,12 +75,15 @@ def export(checkpoint: Path, out: Path, merge: bool = False, base_model: str | N
         raise HftkError("--merge", f"'{checkpoint}' holds no LoRA adapter ({lora.ADAPTER_CONFIG}) to merge.",
                         "drop --merge: a full fine-tuning checkpoint exports as the whole model already.")
     kind = detect(checkpoint)
-    for needed in ("config.json",):
-        if not (checkpoint / needed).is_file():
-            raise HftkError("CHECKPOINT", f"'{checkpoint}' has no {needed}: the model cannot be rebuilt.",
-                            "pass a checkpoint written by the Trainer (it saves the config beside the weights).")
+    if not (checkpoint / "config.json").is_file():
+        raise HftkError("CHECKPOINT", f"'{checkpoint}' has no config.json: the model cannot be rebuilt.",
+                        "pass a checkpoint written by the Trainer (it saves the config beside the weights).")
     model = model_from(AutoConfig.from_pretrained(checkpoint), kind.state_dict(checkpoint), checkpoint)
-    tokenizer = _tokenizer_from(checkpoint)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    except (OSError, ValueError) as exc:
+        raise HftkError("CHECKPOINT", f"'{checkpoint}' has no loadable tokenizer ({str(exc).splitlines()[0]}).",
+                        "copy the run's tokenizer files into the checkpoint folder.") from None
 
     def write(tmp: Path) -> str:
         model.save_pretrained(tmp)
@@ -89,16 +92,6 @@ def export(checkpoint: Path, out: Path, merge: bool = False, base_model: str | N
         return kind.name
 
     return write_atomically(out, write)
-
-
-def _tokenizer_from(checkpoint: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(checkpoint)
-    except (OSError, ValueError) as exc:
-        raise HftkError("CHECKPOINT", f"'{checkpoint}' has no loadable tokenizer ({str(exc).splitlines()[0]}).",
-                        "copy the run's tokenizer files into the checkpoint folder.") from None
 
 
 def main(argv: list[str]) -> int:

@@ -7,6 +7,7 @@ A leaf module: the savers of every strategy, LoRA and the custom loop check thei
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import warnings
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from hftk.errors import HftkError
 
@@ -29,14 +32,10 @@ def has_safetensors(path: Path) -> bool:
 
 def safetensors_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """Weights saved whole by ``save_pretrained`` (DDP, or any strategy's gathered save), sharded or not."""
-    from safetensors.torch import load_file
-
     return {k: v for f in _safetensors_files(path) for k, v in load_file(str(f)).items()}
 
 
 def _safetensors_files(path: Path) -> list[Path]:
-    import json
-
     if (path / SAFE_INDEX).is_file():
         index = json.loads((path / SAFE_INDEX).read_text())
         return [path / name for name in sorted(set(index["weight_map"].values()))]
@@ -119,8 +118,6 @@ def check_complete(folder: Path, expected: Shapes) -> None:
     Empty or partial final weights after sharded training are the field's most reported
     failure; this turns them into an error at save time instead of at someone's load time.
     """
-    from safetensors import safe_open
-
     folder = Path(folder)
     saved: dict[str, tuple[int, ...]] = {}
     for f in _safetensors_files(folder):

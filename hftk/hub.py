@@ -29,7 +29,6 @@ import fnmatch
 import json
 import logging
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -38,6 +37,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from huggingface_hub import HfApi, constants, get_token
 
 from hftk.errors import HftkError
 from hftk.run_record import CARD_FILE, RUN_FILE, find_run_record, run_record, write_run_files
@@ -57,8 +58,6 @@ logger = logging.getLogger(__name__)
 
 def redact(text: str) -> str:
     """``text`` with the Hub token (if any is configured) replaced: error messages may quote requests."""
-    from huggingface_hub import get_token
-
     token = get_token()
     return text.replace(token, "***") if token else text
 
@@ -77,8 +76,6 @@ class PushJob:
 
 def push_folder(job: PushJob, repo_id: str, private: bool, retries: int, backoff_s: float) -> dict[str, Any]:
     """``create_repo`` + ``upload_folder`` with retries; returns the outcome, never raises for Hub errors."""
-    from huggingface_hub import HfApi
-
     api = HfApi()
     error = ""
     for attempt in range(1, retries + 1):
@@ -160,21 +157,14 @@ def snapshot(files: dict[str, Path], dest: Path) -> Path:
 
 def folder_files(folder: Path, patterns: tuple[str, ...] | None = None, prefix: str = "") -> dict[str, Path]:
     """Files under ``folder`` (top level only when ``patterns`` is given), keyed by repository path."""
-    found: dict[str, Path] = {}
-    for path in sorted(Path(folder).rglob("*") if patterns is None else Path(folder).iterdir()):
-        if not path.is_file() or path.name in NEVER_PUSHED:
-            continue
-        if patterns is not None and not any(fnmatch.fnmatch(path.name, p) for p in patterns):
-            continue
-        found[prefix + path.relative_to(folder).as_posix()] = path
-    return found
+    paths = sorted(Path(folder).rglob("*") if patterns is None else Path(folder).iterdir())
+    return {prefix + path.relative_to(folder).as_posix(): path for path in paths
+            if path.is_file() and path.name not in NEVER_PUSHED
+            and (patterns is None or any(fnmatch.fnmatch(path.name, p) for p in patterns))}
 
 
 def has_weights(folder: Path) -> bool:
     return any(fnmatch.fnmatch(p.name, w) for p in Path(folder).iterdir() if p.is_file() for w in WEIGHT_PATTERNS)
-
-
-# ---------------------------------------------------------------- the training-run side
 
 
 class RunPusher:
@@ -208,10 +198,8 @@ class RunPusher:
         return self.uploads / f"{self._count:05d}-{label}"
 
     def checkpoint_published(self, checkpoint: Path) -> None:
-        """``after_publish`` hook of :func:`hftk.checkpoint.install_atomic_checkpoints` (publisher only).
-
-        Runs between two barriers of the save: any failure here is reported, never raised.
-        """
+        """``after_publish`` hook of :func:`hftk.checkpoint.install_atomic_checkpoints` (publisher only); it runs
+        between two barriers of the save, so any failure here is reported, never raised."""
         if self.strategy == "end":
             return
         step = int(checkpoint.name.rsplit("-", 1)[1])
@@ -222,10 +210,9 @@ class RunPusher:
                                 "hub_error": redact(f"{type(exc).__name__}: {exc}")})
 
     def _queue_checkpoint(self, checkpoint: Path, step: int) -> None:
-        files: dict[str, Path] = {}
-        if has_weights(checkpoint):
-            files.update(folder_files(checkpoint, MODEL_PATTERNS))
-        elif self.strategy == "every_save":
+        weights = has_weights(checkpoint)
+        files = folder_files(checkpoint, MODEL_PATTERNS) if weights else {}
+        if not weights and self.strategy == "every_save":
             self._report(step, {"hub_push": "skipped", "hub_target": checkpoint.name,
                                 "hub_error": "the checkpoint holds no consolidated weights; the final push carries them"})
             return
@@ -236,19 +223,20 @@ class RunPusher:
         elif self.strategy == "all_checkpoints":
             files.update(folder_files(checkpoint, prefix=f"{checkpoint.name}/"))
         dest = snapshot(files, self._snapshot_dir(checkpoint.name))
-        if has_weights(checkpoint):
-            write_run_files(dest, self._record(step, _trainer_state_metrics(checkpoint)), self.repo_id)
+        if weights:
+            record = run_record(self.cfg, self.args, self.world_size, self.data_format, step,
+                                _trainer_state_metrics(checkpoint), self.data_parallel_size)
+            write_run_files(dest, record, self.repo_id)
         self.pusher.submit(PushJob(dest, checkpoint.name, step, f"hftk: {checkpoint.name}", delete),
                            supersede=self.strategy != "all_checkpoints")
-
-    def _record(self, step: int, metrics: dict[str, float]) -> dict[str, Any]:
-        return run_record(self.cfg, self.args, self.world_size, self.data_format, step, metrics,
-                          self.data_parallel_size)
 
     def push_final(self, final: Path, step: int) -> dict[str, Any]:
         """Push the final folder (it already holds the card) after any queued checkpoint; wait for it."""
         if self.cfg.hub.hub_push_merged:  # LoRA: the base model with the adapter merged in, not the adapter
-            dest = merged_copy(final, self._snapshot_dir("final"), self.repo_id)
+            from hftk.lora import export_adapter
+
+            dest = self._snapshot_dir("final")
+            export_adapter(final, dest, merge=True, repo_id=self.repo_id)  # its model card included
         else:
             dest = snapshot(folder_files(final), self._snapshot_dir("final"))
         self.pusher.submit(PushJob(dest, "final", step, "hftk: final model"))
@@ -264,25 +252,12 @@ class RunPusher:
         return outcome
 
 
-def merged_copy(final: Path, dest: Path, repo_id: str | None) -> Path:
-    """A LoRA run's final folder as a full model (adapter merged into the base) with its own model card."""
-    from hftk.lora import export_adapter
-
-    export_adapter(final, dest, merge=True, repo_id=repo_id)  # its model card included
-    return dest
-
-
 def _trainer_state_metrics(checkpoint: Path) -> dict[str, float]:
     """The newest training loss and evaluation metrics recorded in a checkpoint's trainer_state.json."""
     path = checkpoint / "trainer_state.json"
-    if not path.is_file():
-        return {}
-    metrics: dict[str, float] = {}
-    for entry in json.loads(path.read_text()).get("log_history", []):
-        for key in ("loss", "eval_loss", "eval_perplexity", "train_loss"):
-            if key in entry:
-                metrics[key] = entry[key]
-    return metrics
+    history = json.loads(path.read_text()).get("log_history", []) if path.is_file() else []
+    return {key: entry[key] for entry in history for key in ("loss", "eval_loss", "eval_perplexity", "train_loss")
+            if key in entry}
 
 
 def run_pusher(prepared: Any, trainer: Any, metrics_path: Path) -> RunPusher | None:
@@ -292,11 +267,10 @@ def run_pusher(prepared: Any, trainer: Any, metrics_path: Path) -> RunPusher | N
     return RunPusher(prepared.cfg, trainer.args, prepared.world_size, prepared.data_format, metrics_path)
 
 
-# ---------------------------------------------------------------- `hftk push`
-
-
 def push_command(argv: list[str]) -> int:
     """``hftk push FOLDER REPO_ID``: a final folder or any checkpoint (consolidated first when sharded)."""
+    from hftk.checkpoint import CHECKPOINT_RE  # not at the top: importing hub must not import torch
+
     parser = argparse.ArgumentParser(prog="hftk push", description="Push a trained model (final folder or "
                                      "checkpoint) to the Hub with a generated model card. The token comes from "
                                      "HF_TOKEN or `hf auth login`.")
@@ -319,13 +293,14 @@ def push_command(argv: list[str]) -> int:
             source = Path(tmp) / "exported"
             export(folder, source)
         # a checkpoint's optimizer / RNG / trainer state stay home; a final or exported folder goes whole
-        snapshot(folder_files(source, MODEL_PATTERNS if source is folder and _is_checkpoint(folder) else None), dest)
+        is_checkpoint = CHECKPOINT_RE.match(folder.name) is not None
+        snapshot(folder_files(source, MODEL_PATTERNS if source is folder and is_checkpoint else None), dest)
         record = find_run_record(folder)
         if not (dest / CARD_FILE).is_file():
             if record is None:
                 raise HftkError("folder", f"no {RUN_FILE} in {folder} or its parent to write the model card from.",
                                 "push a folder written by an hftk run (output_dir/final or output_dir/checkpoint-N).")
-            if _is_checkpoint(folder):
+            if is_checkpoint:
                 record = {**record, "global_step": int(folder.name.rsplit("-", 1)[1]),
                           "metrics": _trainer_state_metrics(folder)}
             write_run_files(dest, record, args.repo_id)
@@ -341,14 +316,8 @@ def push_command(argv: list[str]) -> int:
     return 0
 
 
-def _is_checkpoint(folder: Path) -> bool:
-    return bool(re.fullmatch(r"checkpoint-\d+", folder.name))
-
-
 def check_can_push(field_name: str) -> None:
     """Fail before any work when no upload could succeed: offline mode, or no token anywhere."""
-    from huggingface_hub import constants, get_token
-
     if constants.HF_HUB_OFFLINE:
         raise HftkError(field_name, "HF_HUB_OFFLINE is set, so nothing can be pushed.", "unset HF_HUB_OFFLINE.")
     if not get_token():

@@ -19,13 +19,11 @@ import torch
 import torch.distributed as dist
 
 from hftk.checkpoint import staged_folder
+from hftk.hf_folder import check_complete, model_from, read_dcp_model, shapes_of
+from hftk.strategies.tp_plans import to_hf_state_dict
 
 DCP_DIR = "dcp"
 LAYOUT_FILE = "hftk_mesh.json"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def write_state(folder: Path, layout: Any, optimizer: Any) -> None:
@@ -35,7 +33,7 @@ def write_state(folder: Path, layout: Any, optimizer: Any) -> None:
 
     model_state, optim_state = get_state_dict(layout.model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / DCP_DIR))
-    if _rank() == 0:
+    if dist.get_rank() == 0:  # tp / cp / sp run on a device mesh: a process group is always up
         (folder / LAYOUT_FILE).write_text(json.dumps(layout.describe, indent=1, sort_keys=True))
 
 
@@ -57,12 +55,9 @@ def save_hf_folder(out: Path, layout: Any, tokenizer: Any, write_extra: Callable
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from hftk.hf_folder import check_complete, model_from, shapes_of
-    from hftk.strategies.tp_plans import to_hf_state_dict
-
     full = get_model_state_dict(layout.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    with staged_folder(Path(out), publisher=_rank() == 0) as folder:
-        if _rank() == 0:
+    with staged_folder(Path(out), publisher=dist.get_rank() == 0) as folder:
+        if dist.get_rank() == 0:
             model = model_from(layout.model.config, to_hf_state_dict(full), Path(out))
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
@@ -76,7 +71,4 @@ def is_mesh_checkpoint(folder: Path) -> bool:
 
 def export_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     """Full model tensors of a mesh checkpoint, read on one process, in the family's own names and shapes."""
-    from hftk.hf_folder import read_dcp_model
-    from hftk.strategies.tp_plans import to_hf_state_dict
-
     return to_hf_state_dict(read_dcp_model(Path(folder) / DCP_DIR))

@@ -5,12 +5,15 @@ The callback works with the Trainer; hftk's own loops call :func:`append_jsonl` 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 
@@ -50,9 +53,8 @@ class MetricsCallback(TrainerCallback):
             return
         if "loss" in logs and self._window_steps:
             step_time = self._window_time / self._window_steps
-            logs["step_time_s"] = step_time
-            logs["tokens_per_s"] = self.tokens_per_step / step_time
-            logs["samples_per_s"] = self.samples_per_step / step_time
+            logs.update(step_time_s=step_time, tokens_per_s=self.tokens_per_step / step_time,
+                        samples_per_s=self.samples_per_step / step_time)
             if self.flops_per_step and self.peak_flops:
                 logs["mfu"] = self.flops_per_step / step_time / self.peak_flops
             self._window_time, self._window_steps = 0.0, 0
@@ -64,10 +66,6 @@ class MetricsCallback(TrainerCallback):
 
 def parameter_digest(model: Any) -> str:
     """sha256 over every parameter's bytes, in name order: equal digests mean bitwise-equal replicas."""
-    import hashlib
-
-    import torch
-
     digest = hashlib.sha256()
     named = sorted(model.named_parameters(), key=lambda item: item[0])
     with _gathered_zero3([param for _, param in named]):
@@ -81,8 +79,6 @@ def parameter_digest(model: Any) -> str:
 
 def _gathered_zero3(params: list[Any]) -> Any:
     """ZeRO-3 leaves each rank an empty placeholder per parameter: gather the real values first."""
-    from contextlib import nullcontext
-
     if not any(hasattr(p, "ds_id") for p in params):
         return nullcontext()
     import deepspeed

@@ -24,9 +24,6 @@ def is_hub_id(name: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name)) and not Path(name).exists()
 
 
-# ---------------------------------------------------------------- run record and model card
-
-
 HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "per_device_train_batch_size",
                    "gradient_accumulation_steps", "num_train_epochs", "max_steps", "optim", "weight_decay",
                    "max_grad_norm", "bf16", "fp16", "seed")
@@ -145,9 +142,6 @@ def model_card(record: dict[str, Any], repo_id: str | None) -> str:
 
 def _fmt(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
-
-
-# ---------------------------------------------------------------- uploading
 
 
 def find_run_record(folder: Path) -> dict[str, Any] | None:

@@ -77,28 +77,18 @@ def matmul_params(model: torch.nn.Module) -> tuple[int, int]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_weight = getattr(head, "weight", None)
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight is not head_weight}
-    seen: set[int] = set()
-    total = trainable = 0
-    for p in model.parameters():
-        if id(p) in lookups or id(p) in seen:
-            continue
-        seen.add(id(p))
-        size = getattr(p, "ds_numel", None) or p.numel()  # ZeRO-3 leaves 0 elements locally; ds_numel is the full size
-        total += size
-        trainable += size if p.requires_grad else 0
-    return total, trainable
+    # parameters() yields a tied weight once; ZeRO-3 leaves 0 elements locally, ds_numel is the full size
+    sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in model.parameters()
+             if id(p) not in lookups]
+    return sum(size for size, _ in sizes), sum(size for size, trainable in sizes if trainable)
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """Training FLOPs per token: 2N forward + 2N input gradients + 2N' weight gradients (N' trainable;
     6N for full fine-tuning), plus attention scores 12 * layers * hidden * seq_len (PaLM, appendix B)."""
     total, trainable = matmul_params(model)
-    config = model.config
-    attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len
-    return 4 * total + 2 * trainable + attention
+    return 4 * total + 2 * trainable + 12 * model.config.num_hidden_layers * model.config.hidden_size * seq_len
 
-
-# ---- memory ------------------------------------------------------------------------------------
 
 def reset_peak_memory(device: torch.device) -> bool:
     """Start a new peak-memory window; False when the OS refuses (the peak is then the lifetime peak)."""
@@ -122,8 +112,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("/proc/self/status has no VmHWM line: peak RSS cannot be read on this OS")
 
 
-# ---- communication -----------------------------------------------------------------------------
-
 def comm_intervals(events: Any) -> list[tuple[int, int]]:
     """(start, end) in nanoseconds of collective work: gloo ops on CPU, NCCL kernels on GPU.
 
@@ -132,14 +120,11 @@ def comm_intervals(events: Any) -> list[tuple[int, int]]:
     """
     spans = []
     for event in events:
-        name = event.name()
-        on_gpu = event.device_type() == torch.autograd.DeviceType.CUDA
+        name, on_gpu = event.name(), event.device_type() == torch.autograd.DeviceType.CUDA
         if (on_gpu and "nccl" in name.lower()) or (not on_gpu and name.startswith("gloo:")):
             spans.append((event.start_ns(), event.start_ns() + event.duration_ns()))
     return spans
 
-
-# ---- the monitor -------------------------------------------------------------------------------
 
 FIELDS = ("step_time_s", "compute_time_s", "cpu_time_s", "peak_mem_mb", "tensor_mb", "comm_share")
 
@@ -228,7 +213,8 @@ class RankMonitor:
         self._step_computed = False
         if self.profile_every > 0 and (step == 3 or step % self.profile_every == 0):
             self._sync()
-            self._profiler = torch.profiler.profile(activities=_activities(self.device))
+            cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+            self._profiler = torch.profiler.profile(activities=[cpu, cuda] if self.device.type == "cuda" else [cpu])
             with kineto_markers_dropped():
                 self._profiler.__enter__()
         self._begin = (time.perf_counter(), time.process_time())
@@ -258,9 +244,8 @@ class RankMonitor:
         if self._profiled is None:
             return
         start = (time.perf_counter(), time.process_time())
-        profiler, profiled_wall = self._profiled
-        events = profiler.profiler.kineto_results.events()
-        self.window.comm_share = union_length(comm_intervals(events)) / 1e9 / profiled_wall
+        profiler, wall = self._profiled
+        self.window.comm_share = union_length(comm_intervals(profiler.profiler.kineto_results.events())) / 1e9 / wall
         self._profiled = None
         if self._last_end is not None:
             spent = (time.perf_counter() - start[0], time.process_time() - start[1])
@@ -285,13 +270,10 @@ class RankMonitor:
         return max(self._windows_peak, peak_memory_bytes(self.device))
 
     def collect(self, model: torch.nn.Module | None = None, optimizer: Any = None) -> RankSummary | None:
-        """Gather every rank's window to rank 0 (one all_gather) and start a new window.
-
-        Returns the summary on rank 0, None on the other ranks.
-        """
+        """Gather every rank's window to rank 0 (one all_gather) and start a new window; returns the summary
+        on rank 0, None on the other ranks."""
         self._read_profile()
-        local = self.local_stats(model, optimizer)
-        rows = gather_rows(local, self.device)
+        rows = gather_rows(self.local_stats(model, optimizer), self.device)
         self.window = Window()
         self._peak_resettable = reset_peak_memory(self.device)
         if dist.is_initialized() and dist.get_rank() != 0:
@@ -304,13 +286,6 @@ class RankMonitor:
                            "accumulating them, so the compute-timing hooks never fire; only wall-clock step "
                            "times are reported.")
         return summary
-
-
-def _activities(device: torch.device) -> list[Any]:
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return acts
 
 
 def gather_rows(local: list[float], device: torch.device) -> list[list[float]]:
@@ -364,8 +339,7 @@ def summarize(rows: list[list[float]], threshold: float, peak_mem_kind: str) -> 
                "peak_mem_mb_max": max(cols["peak_mem_mb"])}
     if not any(math.isnan(v) for v in cols["tensor_mb"]):
         scalars["tensor_mb_max"] = max(cols["tensor_mb"])
-    shares = [v for v in cols["comm_share"] if not math.isnan(v)]
-    if shares:
+    if shares := [v for v in cols["comm_share"] if not math.isnan(v)]:
         scalars["comm_share"] = sum(shares) / len(shares)
     compute = cols["compute_time_s"]
     unmeasured = any(math.isnan(v) for v in compute)
