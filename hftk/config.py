@@ -266,14 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     """One parser over every section; help text comes from the dataclass metadata."""
     from transformers import HfArgumentParser, TrainingArguments
 
-    parser = HfArgumentParser(
-        [*SECTIONS.values(), TrainingArguments],
-        prog="hftk train",
-        description="Fine-tune a causal LM. Options may also come from --config run.yaml (sections: "
-        + ", ".join([*SECTIONS, "training"])
-        + "); command-line options override the file.",
-        exit_on_error=False,
-    )
+    parser = HfArgumentParser([*SECTIONS.values(), TrainingArguments], prog="hftk train", exit_on_error=False,
+                              description="Fine-tune a causal LM. Options may also come from --config run.yaml "
+                              f"(sections: {', '.join([*SECTIONS, 'training'])}); command-line options override "
+                              "the file.")
     parser.add_argument("--config", default=None, help="YAML file with the run configuration.")
     parser.set_defaults(**TRAINING_DEFAULTS)
     return parser
@@ -302,9 +298,7 @@ def _flatten_yaml(data: dict[str, Any]) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for section, values in data.items():
         if section not in known:
-            raise HftkError(
-                f"config.{section}", "is not a section.", f"use one of: {', '.join(sorted(known))}."
-            )
+            raise HftkError(f"config.{section}", "is not a section.", f"use one of: {', '.join(sorted(known))}.")
         if not isinstance(values, dict):
             raise HftkError(f"config.{section}", "must be a mapping of options.", "indent its options under it.")
         for key, value in values.items():
@@ -326,8 +320,7 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
     try:
         namespace, unknown = parser.parse_known_args(argv)
     except argparse.ArgumentError as exc:
-        name = exc.argument_name or "option"
-        raise HftkError(name, f"{exc.message}.", "see `hftk train --help`.") from None
+        raise HftkError(exc.argument_name or "option", f"{exc.message}.", "see `hftk train --help`.") from None
     if unknown:
         bad = next((u for u in unknown if u.startswith("-")), unknown[0])
         raise HftkError(bad, "is not a known option.", "see `hftk train --help` for the options.")
@@ -338,13 +331,11 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
     given = {k for k, v in vars(probe).items() if v is not unset} | set(from_yaml)
     values = vars(namespace)
     values.pop("config", None)
-    sections = {
-        name: cls(**{f.name: values.pop(f.name) for f in dataclasses.fields(cls)}) for name, cls in SECTIONS.items()
-    }
+    sections = {name: cls(**{f.name: values.pop(f.name) for f in dataclasses.fields(cls)})
+                for name, cls in SECTIONS.items()}
     training_fields = _training_fields()
-    training = {
-        k: v for k, v in values.items() if k in training_fields and v not in (None, _field_default(training_fields[k]))
-    }
+    training = {k: v for k, v in values.items()
+                if k in training_fields and v not in (None, _field_default(training_fields[k]))}
     for key in TRAINING_DEFAULTS:
         training[key] = values[key]
     # The declared annotations: HfArgumentParser narrows the fields' ``type`` in place (``int | None`` -> int).
@@ -387,11 +378,8 @@ def _check_value(name: str, value: Any, annotation: str, choices: list[str] | No
 
 
 def _field_default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
+    """The field's default (``dataclasses.MISSING`` when it has none)."""
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
 
 
 def _config_path(argv: list[str]) -> str | None:
