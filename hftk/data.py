@@ -26,11 +26,12 @@ SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool
 # The Alpaca prompt (Taori et al., 2023), used when no chat template is in use.
 ALPACA_PROMPT = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
                  "completes the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
+# The column-name options of every format (DataConfig fields).
+FIELD_OPTIONS = ("text_field", "prompt_field", "completion_field", "messages_field", "conversations_field",
+                 "instruction_field", "input_field", "output_field")
 # data.datasets entry keys -> DataConfig fields
 ENTRY_KEYS = {"path": "dataset", "split": "train_split", "eval_split": "eval_split", "format": "data_format",
-              "config_name": "dataset_config_name", "revision": "dataset_revision",
-              **{f: f for f in ("text_field", "prompt_field", "completion_field", "messages_field",
-                                "conversations_field", "instruction_field", "input_field", "output_field")}}
+              "config_name": "dataset_config_name", "revision": "dataset_revision", **{f: f for f in FIELD_OPTIONS}}
 LOADERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -47,15 +48,6 @@ def load_raw(cfg: DataConfig) -> Any:
 
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a reader's failure is our one line, not its log
-    try:
-        return _load_raw(cfg)
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-
-
-def _load_raw(cfg: DataConfig) -> Any:
-    import datasets
-
     source = cfg.dataset
     try:
         if builtin.is_builtin(source):
@@ -81,6 +73,8 @@ def _load_raw(cfg: DataConfig) -> Any:
     except Exception as exc:  # datasets raises many types; the user needs the first line of the root cause
         raise HftkError("data.dataset", f"cannot load '{source}': {_root_cause(exc)}",
                         "check the path or Hub name (and data.dataset_config_name).") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -107,8 +101,7 @@ def source_configs(cfg: DataConfig) -> list[tuple[DataConfig, float | None, str]
         paths = [p.strip() for p in cfg.dataset.split(",") if p.strip()]
         if not paths:
             raise HftkError("data.dataset", "is empty.", "pass a dataset path or Hub name.")
-        field = "data.dataset"
-        return [(dataclasses.replace(cfg, dataset=p, datasets=None), None, field) for p in paths]
+        return [(dataclasses.replace(cfg, dataset=p, datasets=None), None, "data.dataset") for p in paths]
     if cfg.dataset != DEFAULT_DATASET:
         raise HftkError("data.datasets", "is set together with data.dataset.", "list every dataset in data.datasets.")
     out = []
@@ -228,10 +221,8 @@ def load_sources(cfg: DataConfig, tokenizer_loader: Any) -> list[Source]:
         template = None
         if fmt in (*CONVERSATIONAL, "alpaca"):
             tokenizer = tokenizer if tokenizer is not None else tokenizer_loader()
-            if fmt == "alpaca":
-                template = getattr(tokenizer, "chat_template", None) or None
-            else:
-                template = chat.require_template(tokenizer, f"{scfg.dataset} holds conversations")
+            template = (getattr(tokenizer, "chat_template", None) or None if fmt == "alpaca"
+                        else chat.require_template(tokenizer, f"{scfg.dataset} holds conversations"))
         raw, fmt = normalise(scfg, raw, fmt, template, field)
         sources.append(Source(cfg=scfg, raw=raw, fmt=fmt, weight=weight, field=field))
     if any(s.weight is not None for s in sources) and len(sources) > 1:
@@ -251,8 +242,7 @@ def normalise(cfg: DataConfig, raw: Any, fmt: str, template: Any, field: str) ->
     out = {}
     for split in dict.fromkeys(s for s in (cfg.train_split, cfg.eval_split) if s):  # the splits this run reads
         ds = raw[split]
-        convert = _converter(cfg, fmt, template)
-        ds = ds.map(convert, batched=True, remove_columns=ds.column_names)
+        ds = ds.map(_converter(cfg, fmt, template), batched=True, remove_columns=ds.column_names)
         out[split] = _check_rows(ds, cfg, field, split, tools_ok)
     new_fmt = "prompt_completion" if fmt == "alpaca" and not template else "messages"
     return datasets.DatasetDict(out), new_fmt
@@ -341,14 +331,8 @@ def _check_rows(ds: Any, cfg: DataConfig, field: str, split: str, tools_ok: bool
     return kept
 
 
-@dataclass
-class Blocks:
-    train: Any
-    eval: Any | None
-
-
-def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> Blocks:
-    """One dataset's training (and held-out) blocks, unformatted."""
+def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> tuple[Any, Any | None]:
+    """One dataset's training and held-out (or None) blocks, unformatted."""
     train = raw[cfg.train_split]
     if cfg.max_train_samples:
         train = train.select(range(min(cfg.max_train_samples, len(train))))
@@ -366,7 +350,11 @@ def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> B
         ds = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=cfg.preprocessing_num_workers,
                     desc="tokenize")
         if fmt == "messages":
-            _report_long(cfg, name, n, len(ds), sum(ds["truncated"]))
+            dropped, truncated = n - len(ds), sum(ds["truncated"])
+            if (dropped or truncated) and is_main_process():
+                what = f"dropped {dropped}" if cfg.truncation == "drop" else f"truncated {truncated}, dropped {dropped}"
+                print(f"hftk: data: {cfg.dataset} [{name}]: {what} of {n} conversations longer than block_size "
+                      f"{cfg.block_size} (data.truncation={cfg.truncation})", flush=True)
             ds = ds.remove_columns("truncated")
         return rows(ds, cfg.packing, cfg.block_size, fmt)
 
@@ -376,40 +364,25 @@ def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> B
                         f"{cfg.block_size} tokens (or every conversation is longer).",
                         "lower data.block_size, add data, or pass --truncation truncate.")
     eval_blocks = prepare(evals, "eval") if evals is not None else None
-    if eval_blocks is not None and len(eval_blocks) == 0:
-        eval_blocks = None
-    return Blocks(train_blocks, eval_blocks)
+    return train_blocks, (eval_blocks if eval_blocks is not None and len(eval_blocks) else None)
 
 
 def check_holdouts(sources: list[Source]) -> None:
-    """Every dataset that holds out ``eval_fraction`` of its rows keeps at least one to train on."""
+    """Every dataset that holds out ``eval_fraction`` of its rows keeps at least one to train on
+    (``train_test_split`` holds out ceil(fraction x rows) rows)."""
     for s in sources:
-        rows = len(s.raw[s.cfg.train_split])
-        if not s.cfg.eval_split and s.cfg.eval_fraction > 0:
-            _check_holdout(s.cfg, min(rows, s.cfg.max_train_samples or rows))
-
-
-def _check_holdout(cfg: DataConfig, rows: int) -> None:
-    """``train_test_split`` holds out ceil(fraction x rows) rows; refuse (one line) when none would be left to train on."""
-    held = math.ceil(cfg.eval_fraction * rows)
-    if rows - held < 1:
-        raise HftkError("data.eval_fraction", f"{cfg.dataset} has {rows} training row(s); holding out "
-                        f"{cfg.eval_fraction} of them ({held}) leaves none to train on (at least {held + 1} needed).",
-                        "add rows, pass --eval_fraction 0 (no evaluation), or name an --eval_split.")
-
-
-def _report_long(cfg: DataConfig, split: str, before: int, after: int, truncated: int) -> None:
-    dropped = before - after
-    if (dropped or truncated) and is_main_process():
-        what = f"dropped {dropped}" if cfg.truncation == "drop" else f"truncated {truncated}, dropped {dropped}"
-        print(f"hftk: data: {cfg.dataset} [{split}]: {what} of {before} conversations longer than block_size "
-              f"{cfg.block_size} (data.truncation={cfg.truncation})", flush=True)
+        cfg, rows = s.cfg, len(s.raw[s.cfg.train_split])
+        rows = min(rows, cfg.max_train_samples or rows)
+        held = math.ceil(cfg.eval_fraction * rows)
+        if not cfg.eval_split and cfg.eval_fraction > 0 and rows - held < 1:
+            raise HftkError("data.eval_fraction", f"{cfg.dataset} has {rows} training row(s); holding out "
+                            f"{cfg.eval_fraction} of them ({held}) leaves none to train on (at least {held + 1} "
+                            "needed).", "add rows, pass --eval_fraction 0 (no evaluation), or name an --eval_split.")
 
 
 def tokenize_and_pack(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> TokenizedData:
     """Token ids + labels in fixed blocks of ``block_size``; prompts masked with -100 (one dataset)."""
-    blocks = _blocks(cfg, raw, tokenizer, fmt, seed)
-    return tokenized(cfg, blocks.train, blocks.eval, fmt)
+    return tokenized(cfg, *_blocks(cfg, raw, tokenizer, fmt, seed), fmt)
 
 
 def tokenized(cfg: DataConfig, train: Any, eval_blocks: Any | None, data_format: str) -> TokenizedData:
@@ -432,14 +405,13 @@ def tokenize_sources(sources: list[Source], tokenizer: Any, seed: int) -> Tokeni
     if len(sources) == 1:
         s = sources[0]
         return tokenize_and_pack(s.cfg, s.raw, tokenizer, s.fmt, seed)
-    parts = [_blocks(s.cfg, s.raw, tokenizer, s.fmt, seed) for s in sources]
+    trains, evals = zip(*(_blocks(s.cfg, s.raw, tokenizer, s.fmt, seed) for s in sources))
     if sources[0].weight is not None:
         total = sum(s.weight for s in sources)
-        train = datasets.interleave_datasets([p.train for p in parts], probabilities=[s.weight / total for s in sources],
-                                             seed=seed)
+        train = datasets.interleave_datasets(list(trains), probabilities=[s.weight / total for s in sources], seed=seed)
     else:
-        train = datasets.concatenate_datasets([p.train for p in parts])
-    evals = [p.eval for p in parts if p.eval is not None]
+        train = datasets.concatenate_datasets(list(trains))
+    evals = [e for e in evals if e is not None]
     eval_blocks = datasets.concatenate_datasets(evals) if evals else None
     return tokenized(sources[0].cfg, train, eval_blocks, combined_format(sources))
 
@@ -564,11 +536,7 @@ def collator(cfg: DataConfig, pad_id: int, fixed_length: int | None = None, atte
 
 def pack_blocks(batch: dict[str, list], block_size: int) -> dict[str, list]:
     """Concatenate examples and cut full blocks; the remainder shorter than a block is dropped."""
-    ids = [t for x in batch["input_ids"] for t in x]
-    labels = [t for x in batch["labels"] for t in x]
-    n = (len(ids) // block_size) * block_size
-    return {
-        "input_ids": [ids[i:i + block_size] for i in range(0, n, block_size)],
-        "labels": [labels[i:i + block_size] for i in range(0, n, block_size)],
-        "attention_mask": [[1] * block_size for _ in range(0, n, block_size)],
-    }
+    flat = {k: [t for x in batch[k] for t in x] for k in ("input_ids", "labels")}
+    starts = range(0, len(flat["input_ids"]) // block_size * block_size, block_size)
+    return {**{k: [v[i:i + block_size] for i in starts] for k, v in flat.items()},
+            "attention_mask": [[1] * block_size for _ in starts]}

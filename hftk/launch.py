@@ -36,7 +36,6 @@ FSDP_STATE_DICT_TYPES = {"sharded": "SHARDED_STATE_DICT", "full": "FULL_STATE_DI
 FSDP_ENV_PREFIX = "FSDP_"
 
 
-
 @dataclass(frozen=True)
 class Topology:
     """How many machines and processes a launch config starts, and where they meet.
@@ -63,13 +62,8 @@ class Topology:
                             "pass --main_process_ip HOST (reachable from every node).")
 
     def fields(self) -> dict[str, Any]:
-        fields: dict[str, Any] = {
-            "num_machines": self.nodes,
-            "num_processes": self.nodes * self.procs_per_node,
-            "machine_rank": 0,
-            "rdzv_backend": "static",
-            "same_network": True,
-        }
+        fields: dict[str, Any] = {"num_machines": self.nodes, "num_processes": self.nodes * self.procs_per_node,
+                                  "machine_rank": 0, "rdzv_backend": "static", "same_network": True}
         if self.nodes > 1:
             fields.update(rdzv_backend="c10d", same_network=False, main_process_ip=self.main_process_ip,
                           main_process_port=self.main_process_port)
@@ -101,19 +95,12 @@ def deepspeed_json(strategy: str) -> dict[str, Any]:
 
 def accelerate_config(strategy: str, topology: Topology, out: Path) -> dict[str, Any]:
     """The accelerate launch config (as a mapping) of one strategy."""
+    # use_cpu would make accelerate start ONE process; hftk sets TrainingArguments(use_cpu) itself when there is
+    # no GPU.
     config: dict[str, Any] = {
-        "compute_environment": "LOCAL_MACHINE",
-        "debug": False,
-        "downcast_bf16": "no",
-        "enable_cpu_affinity": False,
-        "gpu_ids": "all",
-        "main_training_function": "main",
-        # use_cpu would make accelerate start ONE process; hftk sets TrainingArguments(use_cpu)
-        # itself when there is no GPU.
-        "use_cpu": False,
-        **topology.fields(),
-    }
-    config["distributed_type"] = STRATEGIES[strategy].launch
+        "compute_environment": "LOCAL_MACHINE", "debug": False, "downcast_bf16": "no", "enable_cpu_affinity": False,
+        "gpu_ids": "all", "main_training_function": "main", "use_cpu": False, **topology.fields(),
+        "distributed_type": STRATEGIES[strategy].launch}
     if strategy in DEEPSPEED_STRATEGIES:
         # No mixed_precision here: accelerate refuses it beside a deepspeed_config_file (the JSON's
         # bf16/fp16 "auto" follow hftk's --bf16/--fp16).
@@ -130,14 +117,11 @@ def accelerate_config(strategy: str, topology: Topology, out: Path) -> dict[str,
 
         defaults = StrategyConfig()
         config["fsdp_config"] = {
-            "fsdp_version": 2,
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_reshard_after_forward": defaults.fsdp_reshard_after_forward,
             "fsdp_offload_params": defaults.fsdp_cpu_offload,
             "fsdp_state_dict_type": FSDP_STATE_DICT_TYPES[defaults.fsdp_state_dict],
-            "fsdp_cpu_ram_efficient_loading": False,
-            "fsdp_activation_checkpointing": False,
-        }
+            "fsdp_cpu_ram_efficient_loading": False, "fsdp_activation_checkpointing": False}
     return config
 
 

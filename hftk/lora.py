@@ -1,24 +1,13 @@
 """LoRA through PEFT, applied from outside the model code, and its adapters saved whole.
 
-The one place hftk knows about LoRA:
-
-- which modules to adapt: ``model.lora_target_modules``, or a default per architecture
-  (``families.FAMILIES``), checked against the model's real module names before any process
-  group starts (:func:`validate`);
-- :func:`apply`: ``peft.get_peft_model`` on the loaded model, before any strategy wraps or
-  shards it, with a seeded initialisation (FSDP2 and pipeline stages keep each rank's own
-  values, so every rank must draw the same ``lora_A``); under ZeRO-3 the new adapter weights are
-  partitioned like the base weights ``zero.Init`` already partitioned; the trainable-parameter
-  count is printed and written to ``metrics.jsonl``;
-- :func:`adapter_tensors`: every adapter tensor whole, read out of whatever holds it (a plain
-  parameter, an FSDP2 DTensor shard, a ZeRO-3 partition, one pipeline stage per rank). Reading
-  ``state_dict()`` instead is the field's incomplete-adapter failure (peft#453: ZeRO-3 partitions
-  are empty tensors outside a gather);
-- :func:`write_adapter` / :func:`save_final`: ``adapter_config.json`` + ``adapter_model.safetensors``
-  in PEFT's own format (``PeftModel.from_pretrained`` loads it), proven complete by shape;
-- :func:`export_adapter`: the adapter folder alone, or merged into the base model
-  (``merge_and_unload``) as a standard ``from_pretrained`` folder, for ``hftk export --merge``
-  and the merged Hub push.
+The one place hftk knows about LoRA: which modules to adapt (``model.lora_target_modules``, else the
+family's default, checked against the model's real module names before any process group starts);
+``get_peft_model`` before any strategy wraps or shards the model, seeded (FSDP2 and pipeline stages
+keep each rank's own values, so every rank must draw the same ``lora_A``), the adapters partitioned
+like the base under ZeRO-3; every adapter tensor read whole out of whatever holds it (reading
+``state_dict()`` instead is the field's incomplete-adapter failure, peft#453: ZeRO-3 partitions are
+empty tensors outside a gather); PEFT's own folder format, proven complete by shape; and the merge
+(``merge_and_unload``) for ``hftk export --merge`` and the merged Hub push.
 """
 
 from __future__ import annotations
@@ -233,13 +222,8 @@ def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
 
         with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
             return {n: p.detach().to("cpu", copy=True) for n, p in named}
-    out = {}
-    for name, param in named:
-        tensor = param.detach()
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        out[name] = tensor.to("cpu", copy=True)
-    return out
+    detached = [(n, p.detach()) for n, p in named]
+    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).to("cpu", copy=True) for n, t in detached}
 
 
 def gather_pieces(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -250,11 +234,7 @@ def gather_pieces(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(local)
     from hftk.comm.collectives import gather_objects
 
-    pieces = gather_objects({k: v.to("cpu") for k, v in local.items()})
-    merged: dict[str, torch.Tensor] = {}
-    for piece in pieces:
-        merged.update(piece)
-    return merged
+    return {k: v for piece in gather_objects({k: v.to("cpu") for k, v in local.items()}) for k, v in piece.items()}
 
 
 def saved_name(name: str) -> str:

@@ -5,6 +5,7 @@ Parallelism is never applied here; strategies wrap or shard the plain model from
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,27 +33,21 @@ def load_model_config(cfg: ModelConfig) -> Any:
     name = cfg.model_name_or_path
     if builtin.is_builtin(name):
         if name.removeprefix(builtin.PREFIX) not in builtin.MODELS:
-            raise HftkError(
-                "model.model_name_or_path", f"unknown built-in model '{name}'.",
-                f"use one of: {', '.join(builtin.PREFIX + m for m in builtin.MODELS)}.",
-            )
+            raise HftkError("model.model_name_or_path", f"unknown built-in model '{name}'.",
+                            f"use one of: {', '.join(builtin.PREFIX + m for m in builtin.MODELS)}.")
         config = builtin.builtin_model_config(name)
     else:
         looks_local = name.startswith((".", "/", "~")) or Path(name).exists()
         if looks_local and not (Path(name).expanduser() / "config.json").exists():
-            raise HftkError(
-                "model.model_name_or_path", f"'{name}' is not a model folder (no config.json there).",
-                "pass a folder written by save_pretrained, or a Hub id like 'gpt2'.",
-            )
+            raise HftkError("model.model_name_or_path", f"'{name}' is not a model folder (no config.json there).",
+                            "pass a folder written by save_pretrained, or a Hub id like 'gpt2'.")
         try:
-            config = AutoConfig.from_pretrained(
-                name, revision=cfg.model_revision, trust_remote_code=cfg.trust_remote_code
-            )
+            config = AutoConfig.from_pretrained(name, revision=cfg.model_revision,
+                                                trust_remote_code=cfg.trust_remote_code)
         except (OSError, ValueError) as exc:
-            raise HftkError(
-                "model.model_name_or_path", f"cannot load the config of '{name}': {str(exc).splitlines()[0]}",
-                "check the Hub id and revision, your network and HF_TOKEN, or pass a local folder.",
-            ) from None
+            raise HftkError("model.model_name_or_path", f"cannot load the config of '{name}': "
+                            f"{str(exc).splitlines()[0]}", "check the Hub id and revision, your network and "
+                            "HF_TOKEN, or pass a local folder.") from None
     _apply_dropout(config, cfg.model_dropout)
     return config
 
@@ -73,10 +68,8 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None) -> Any:
 
     from hftk.chat import apply_template_choice
 
-    source = cfg.tokenizer_name_or_path or resolve_model_path(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(
-        source, revision=cfg.model_revision, trust_remote_code=cfg.trust_remote_code
-    )
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_name_or_path or resolve_model_path(cfg),
+                                              revision=cfg.model_revision, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return apply_template_choice(tokenizer, chat_template)
@@ -106,17 +99,14 @@ def quantization_config(cfg: ModelConfig, shardable: bool = False) -> Any:
         return BitsAndBytesConfig(load_in_8bit=True)
     if not cfg.load_in_4bit:
         return None
-    return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
-        bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant, bnb_4bit_compute_dtype=compute_dtype(cfg),
-        bnb_4bit_quant_storage=compute_dtype(cfg) if shardable else torch.uint8,
-    )
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
+                              bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant,
+                              bnb_4bit_compute_dtype=compute_dtype(cfg),
+                              bnb_4bit_quant_storage=compute_dtype(cfg) if shardable else torch.uint8)
 
 
 def local_device() -> str:
     """Where this rank's quantized weights go (bitsandbytes quantizes while loading onto a device)."""
-    import os
-
     return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
 
 
@@ -135,10 +125,8 @@ def load_model(cfg: ModelConfig, shardable: bool = False) -> Any:
     quantization = quantization_config(cfg, shardable)
     if quantization is not None:
         kwargs.update(quantization_config=quantization, device_map={"": local_device()})
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(cfg), config=config, revision=cfg.model_revision, **kwargs
-    )
-    return model
+    return AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg), config=config, revision=cfg.model_revision,
+                                                **kwargs)
 
 
 def context_length(config: Any) -> int | None:

@@ -42,6 +42,8 @@ import json
 import os
 from typing import Any
 
+import torch
+
 from hftk.activations import profile, trace_key
 from hftk.errors import HftkError
 from hftk.plan_types import (DTYPE_BYTES, GIB, HEADROOM, MIB, RUNTIME_BYTES, ModelShape, PlanInputs,
@@ -61,7 +63,6 @@ OPTIM_8BIT_BLOCK = 256  # elements per absmax of an 8-bit optimizer state
 
 def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | None = None) -> ModelShape:
     """Count parameters of the model built on the meta device (LoRA adapters added the same way)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     from hftk.layout import decoder_block_class
@@ -106,8 +107,6 @@ def _quantizable(model: Any) -> tuple[int, int]:
     """(weights, output rows) of the layers transformers hands to bitsandbytes: linear layers (GPT-2's
     Conv1D too, which stores (in, out)) except the output embeddings (its ``get_keys_to_not_convert``);
     PEFT's own adapter layers are not part of the base."""
-    import torch
-
     head = model.get_output_embeddings()
     weights = rows = 0
     for name, module in model.named_modules():
@@ -122,8 +121,6 @@ def _quantizable(model: Any) -> tuple[int, int]:
 def _optim_8bit(model: Any) -> list[int]:
     """Elements of each trainable tensor a bitsandbytes 8-bit optimizer keeps in 8 bits (the Trainer keeps
     embeddings in 32 bits; bitsandbytes keeps tensors under ``min_8bit_size`` there too)."""
-    import torch
-
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     return [p.numel() for p in model.parameters()
             if p.requires_grad and id(p) not in embeddings and p.numel() >= OPTIM_8BIT_MIN]
@@ -254,8 +251,6 @@ def device_memory_bytes(cfg: Any) -> tuple[int, str]:
     """The per-rank budget: the option, else the GPU's free memory, else RAM / processes on this node."""
     if cfg.strategy.device_memory_gb is not None:
         return int(cfg.strategy.device_memory_gb * GIB), "strategy.device_memory_gb"
-    import torch
-
     if torch.cuda.is_available() and not cfg.training.get("use_cpu"):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         free, total = torch.cuda.mem_get_info(local_rank)  # what other processes hold is not ours to plan
@@ -265,8 +260,6 @@ def device_memory_bytes(cfg: Any) -> tuple[int, str]:
 
 
 def inputs_from_config(cfg: Any, world_size: int, budget: int) -> PlanInputs:
-    import torch
-
     t = cfg.training
     on_gpu = torch.cuda.is_available() and not t.get("use_cpu")
     return PlanInputs(
@@ -393,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
 def plan_command(argv: list[str]) -> int:
     """``hftk plan``: print the per-rank memory table and the pick."""
     from hftk.config import ModelConfig
-    from hftk.modeling import load_model_config
+    from hftk.modeling import context_length, load_model_config
+    from hftk.strategies.tensor import plan_rows
+    from hftk.support import QUANT_STRATEGIES
 
     parser = build_parser()
     try:
@@ -411,11 +406,9 @@ def plan_command(argv: list[str]) -> int:
     if quant["quant_bits"] and not args.lora_r:
         raise HftkError("--load_in_4bit" if args.load_in_4bit else "--load_in_8bit", "quantizes the frozen base, "
                         "which trains only with LoRA.", "add --lora_r (e.g. 8).")
-    device = args.device or _default_device()
+    device = args.device or ("gpu" if torch.cuda.is_available() else "cpu")
     model_config = load_model_config(ModelConfig(model_name_or_path=args.model, model_revision=args.model_revision,
                                                  trust_remote_code=args.trust_remote_code))
-    from hftk.modeling import context_length
-
     limit = context_length(model_config)
     if limit is not None and args.seq_len > limit:
         raise HftkError("--seq_len", f"{args.seq_len} exceeds the model's context length {limit}.",
@@ -423,15 +416,10 @@ def plan_command(argv: list[str]) -> int:
     inputs = PlanInputs(world_size=args.world_size, device_memory_bytes=int(args.device_memory * GIB),
                         seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype,
                         mixed_precision=args.mixed_precision, gradient_checkpointing=args.gradient_checkpointing,
-                        attention=args.attn_implementation, device=device,
-                        **quant)
+                        attention=args.attn_implementation, device=device, **quant)
     shape = model_shape(model_config, args.lora_r, args.lora_target_modules)
-    from hftk.support import QUANT_STRATEGIES
-
     plans = plan(shape, inputs, QUANT_STRATEGIES if inputs.quant_bits else PLAN_STRATEGIES)
     chosen = pick(plans)
-    from hftk.strategies.tensor import plan_rows
-
     if not inputs.quant_bits:  # tp / cp / sp train no LoRA, so no quantized base
         plans += plan_rows(model_config, shape, inputs, args.tp_size, args.sp_size, args.cp_size)
     if args.json:
@@ -440,12 +428,6 @@ def plan_command(argv: list[str]) -> int:
         return 0
     print(format_table(shape, inputs, plans, chosen))
     return 0
-
-
-def _default_device() -> str:
-    import torch
-
-    return "gpu" if torch.cuda.is_available() else "cpu"
 
 
 def format_table(shape: ModelShape, inputs: PlanInputs, plans: list[StrategyPlan], chosen: StrategyPlan | None) -> str:
@@ -464,8 +446,7 @@ def format_table(shape: ModelShape, inputs: PlanInputs, plans: list[StrategyPlan
     lines = [head, "", "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
     budget = inputs.device_memory_bytes * (1 - HEADROOM)
-    lines.append("")
-    lines.append(f"pick: {chosen.strategy}" if chosen else
-                 f"pick: none fits {budget / GIB:.2f} GiB ({HEADROOM:.0%} headroom kept)")
+    lines += ["", f"pick: {chosen.strategy}" if chosen else
+              f"pick: none fits {budget / GIB:.2f} GiB ({HEADROOM:.0%} headroom kept)"]
     return "\n".join(lines)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hftk.config import RunConfig
-from hftk.data import TokenizedData, describe, tokenized
+from hftk.data import FIELD_OPTIONS, TokenizedData, describe, tokenized
 from hftk.errors import HftkError
 from hftk.hf_folder import write_atomically
 
@@ -35,8 +35,7 @@ def fingerprint(cfg: RunConfig, tokenizer: Any) -> dict[str, Any]:
         "chat_template": _digest(str(getattr(tokenizer, "chat_template", None) or "")),
         "block_size": d.block_size, "packing": d.packing, "train_on_prompt": d.train_on_prompt,
         "truncation": d.truncation, "on_bad_row": d.on_bad_row, "datasets": describe(d),
-        "fields": [getattr(d, f) for f in ("text_field", "prompt_field", "completion_field", "messages_field",
-                                           "conversations_field", "instruction_field", "input_field", "output_field")],
+        "fields": [getattr(d, f) for f in FIELD_OPTIONS],
         "max_train_samples": d.max_train_samples, "eval_split": d.eval_split, "eval_fraction": d.eval_fraction,
         "seed": cfg.training.get("seed"),
     }

@@ -65,8 +65,7 @@ assert set(QUANT_REFUSED) | set(QUANT_STRATEGIES) == set(STRATEGIES), "every str
 def check_quantized(strategy: str, field: str | None) -> None:
     """Raise the table's refusal of a quantized base under ``strategy``; ``field`` names the option that
     quantizes (``model.load_in_4bit`` / ``model.load_in_8bit``), None when the base is not quantized."""
-    refusal = QUANT_REFUSED.get(strategy)
-    if field is not None and refusal is not None:
+    if field is not None and (refusal := QUANT_REFUSED.get(strategy)) is not None:
         raise HftkError(field if refusal.field == QUANT_FIELD else refusal.field, refusal.problem, refusal.fix)
 
 
@@ -124,8 +123,7 @@ def packing_refusal(strategy: str, packing: str, attn_implementation: str | None
 
 def check_packing(strategy: str, packing: str, attn_implementation: str | None) -> None:
     """Raise the table's refusal of ``packing`` (called once the datasets' formats resolved it)."""
-    refusal = packing_refusal(strategy, packing, attn_implementation)
-    if refusal is not None:
+    if (refusal := packing_refusal(strategy, packing, attn_implementation)) is not None:
         raise HftkError(refusal.field, refusal.problem, refusal.fix)
 
 
@@ -150,8 +148,7 @@ def family_refusal(strategy: str, family: str) -> Refusal | None:
 
 def check_family(strategy: str, family: str) -> None:
     """Raise the table's refusal of ``family`` under ``strategy`` (called by that strategy's ``validate``)."""
-    refusal = family_refusal(strategy, family)
-    if refusal is not None:
+    if (refusal := family_refusal(strategy, family)) is not None:
         raise HftkError(refusal.field, refusal.problem, refusal.fix)
 
 
@@ -165,8 +162,7 @@ def expected(strategy: str, family: str, lora: bool) -> Refusal | None:
 
 def check_lora(strategy: str, lora_r: int) -> None:
     """Raise the table's refusal for LoRA under ``strategy`` (called by that strategy's ``validate``)."""
-    refusal = LORA_REFUSED.get(strategy)
-    if lora_r > 0 and refusal is not None:
+    if lora_r > 0 and (refusal := LORA_REFUSED.get(strategy)) is not None:
         raise HftkError(refusal.field, refusal.problem, refusal.fix)
 
 

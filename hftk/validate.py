@@ -91,7 +91,9 @@ def check_config(cfg: RunConfig) -> None:
                             "drop --hub_revision, or push to a separate repository id.")
     if cfg.hub.hub_upload_retries < 1:
         raise HftkError("hub.hub_upload_retries", "must be at least 1.", "set it to 1 or more (default 5).")
-    _check_ranges(cfg)
+    for name, value, accepted, what in _ranges(cfg):
+        if not accepted:
+            raise HftkError(name, f"must be {what}, got {value!r}.", f"set {name} {what}.")
     check_training_arguments(cfg.training)
     if d.chat_template:
         from hftk.chat import resolve_template
@@ -131,12 +133,6 @@ def _ranges(cfg: RunConfig) -> list[tuple[str, Any, Any, str]]:
         *[(f"training.{k}", v, v > 0, "positive (a step count, or a fraction of the run below 1)")
           for k, v in steps.items()],
     ]
-
-
-def _check_ranges(cfg: RunConfig) -> None:
-    for name, value, accepted, what in _ranges(cfg):
-        if not accepted:
-            raise HftkError(name, f"must be {what}, got {value!r}.", f"set {name} {what}.")
 
 
 def check_training_arguments(training: dict[str, Any]) -> None:
