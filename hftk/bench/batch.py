@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hftk.bench.charts import figure, save
+from hftk.bench.charts import figure, finish, save
 from hftk.bench.launch import (BENCH_TRAIN_ARGS, DEFAULT_MODEL, max_processes, run_workers,
                                threads_per_rank)
 from hftk.bench.stats import median_of, timed_steps
@@ -33,12 +33,9 @@ CPU_DEFAULT_BUDGET_GB = 1.0
 OPTION_HELP = {
     "strategies": "comma-separated strategies to search (hftk train --strategy values)",
     "nproc": "processes (default: one per GPU, or per core on CPU)",
-    "model": "model to train (hftk train --model_name_or_path)",
-    "block_size": "tokens per sequence",
     "budget_gb": f"peak memory allowed per rank (default: the device's; {CPU_DEFAULT_BUDGET_GB} GB on CPU)",
     "max_micro_batch": "largest micro-batch the search tries",
     "global_batch": "sequences per optimizer step that every accumulation pair reaches",
-    "learning_rate": "constant learning rate",
     "warmup": "untimed steps per trial",
     "steps": "timed steps per trial",
     "timeout": "seconds before the launch is killed",
@@ -82,11 +79,7 @@ def plan_trials(nproc: int, global_batch: int, max_micro_batch: int, work: Path)
 
 
 def _powers_of_two(limit: int) -> list[int]:
-    out, b = [], 1
-    while b <= limit:
-        out.append(b)
-        b *= 2
-    return out
+    return [2**i for i in range(limit.bit_length())]  # 1, 2, 4, ... up to limit
 
 
 def run_batch_bench(out_dir: Path, strategies: list[str] | None = None, nproc: int | None = None,
@@ -105,21 +98,18 @@ def run_batch_bench(out_dir: Path, strategies: list[str] | None = None, nproc: i
     per_strategy = {}
     for strategy in strategies:
         work = out_dir / strategy
-        trials = plan_trials(nproc, global_batch, max_micro_batch, work)
         spec = {"mode": "batch", "argv": [*argv, "--strategy", strategy], "budget_bytes": budget_gb * GB}
-        ranks, loadavg = run_trials(nproc, spec, trials, work, timeout, threads)
-        per_strategy[strategy] = analyse(ranks, nproc, block_size, warmup, global_batch)
-        per_strategy[strategy].update(loadavg_before=loadavg[0], loadavg_after=loadavg[1])
+        ranks, loadavg = run_trials(nproc, spec, plan_trials(nproc, global_batch, max_micro_batch, work), work,
+                                    timeout, threads)
+        per_strategy[strategy] = {**analyse(ranks, nproc, block_size, warmup, global_batch), **loadavg}
     result: dict[str, Any] = {"model": model, "nproc": nproc, "block_size": block_size, "budget_gb": budget_gb,
                               "global_batch": global_batch, "max_micro_batch_tried": max_micro_batch,
                               "timed_steps": steps, "threads_per_rank": threads, "strategies": per_strategy}
-    result["table"] = table(result)
-    result["charts"] = [chart(result, out_dir / "batch.png")]
-    return result
+    return finish(result, table, chart, out_dir / "batch.png")
 
 
 def run_trials(nproc: int, spec: dict[str, Any], trials: list[dict[str, Any]], work: Path, timeout: float,
-               threads: int) -> tuple[list[dict[str, Any]], tuple[list[float], list[float]]]:
+               threads: int) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     """Every rank's trial records, over as many launches as out-of-memory trials end; and the load
     average before the first launch and after the last."""
     records: list[list[dict[str, Any]]] = [[] for _ in range(nproc)]
@@ -150,7 +140,7 @@ def run_trials(nproc: int, spec: dict[str, Any], trials: list[dict[str, Any]], w
             for rank, launched in zip(records, launch.ranks):
                 rank += launched["trials"]
         break
-    return [{"trials": rank} for rank in records], (before, list(os.getloadavg()))
+    return [{"trials": rank} for rank in records], {"loadavg_before": before, "loadavg_after": list(os.getloadavg())}
 
 
 def analyse(ranks: list[dict[str, Any]], nproc: int, block_size: int, warmup: int, global_batch: int) -> dict[str, Any]:

@@ -14,21 +14,18 @@ first steps are not timed.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from hftk.bench.charts import figure, fmt_spread, save
+from hftk.bench.charts import figure, finish, fmt_spread, save
 from hftk.bench.launch import DEFAULT_MODEL, Machine, threads_per_rank, torchrun_module
-from hftk.bench.stats import spread
+from hftk.bench.stats import percent, spread
 
 HOOKS = ("none", "fp16", "bf16", "powersgd", "topk")
 OPTION_HELP = {
     "nproc": "ranks (DDP replicas of each hook)",
     "model": "model every hook trains (Hub id, folder or builtin:NAME)",
     "steps": "optimizer steps per hook, warm-up included",
-    "block_size": "tokens per sequence",
-    "micro_batch": "sequences per rank per step",
     "bucket_cap_mb": "DDP bucket size in MB",
     "warmup_steps": "uncompressed steps before PowerSGD and top-k compress (not timed)",
     "powersgd_rank": "PowerSGD rank",
@@ -56,30 +53,21 @@ def run_comm_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, st
     if steps <= first_timed:
         raise ValueError(f"steps must exceed warmup_steps + 2 = {first_timed} to time compressed steps")
     machine = Machine.here()
-    before = list(os.getloadavg())
-    raw, wall = launch_worker(nproc, {"jobs": [job]}, out_dir, timeout)
-    after = list(os.getloadavg())
+    plan_path, out_path = out_dir / "plan.json", out_dir / "raw.json"
+    plan_path.write_text(json.dumps({"jobs": [job]}, indent=1))
+    launch = torchrun_module(nproc, "hftk.bench.comm_worker", ["--plan", str(plan_path), "--out", str(out_path)],
+                             out_dir, timeout, threads_per_rank(nproc))
+    raw = json.loads(out_path.read_text())
     rows = {r["hook"]: summarise(r, first_timed) for r in raw}
     result: dict[str, Any] = {
         "nproc": nproc, "model": model, "params": raw[0]["params"], "steps": steps, "timed_steps": steps - first_timed,
         "block_size": block_size, "micro_batch_per_rank": micro_batch, "bucket_cap_mb": bucket_cap_mb,
         "warmup_steps": warmup_steps, "powersgd_rank": powersgd_rank, "topk_ratio": topk_ratio,
-        "threads_per_rank": threads_per_rank(nproc), "launch_wall_s": wall, "machine": machine.__dict__,
-        "loadavg_before": before, "loadavg_after": after, "hooks": rows,
+        "threads_per_rank": threads_per_rank(nproc), "launch_wall_s": launch.wall_s, "machine": machine.__dict__,
+        "loadavg_before": launch.loadavg_before, "loadavg_after": launch.loadavg_after, "hooks": rows,
     }
     (out_dir / "comm.json").write_text(json.dumps(result, indent=1))
-    result["table"] = table(result)
-    result["charts"] = [chart(result, out_dir / "comm.png")]
-    return result
-
-
-def launch_worker(nproc: int, plan: dict[str, Any], work_dir: Path, timeout: float) -> tuple[list[dict[str, Any]], float]:
-    """torchrun ``hftk.bench.comm_worker`` on loopback under a hard timeout; its results and wall time."""
-    plan_path, out_path = work_dir / "plan.json", work_dir / "raw.json"
-    plan_path.write_text(json.dumps(plan, indent=1))
-    wall = torchrun_module(nproc, "hftk.bench.comm_worker", ["--plan", str(plan_path), "--out", str(out_path)],
-                           work_dir, timeout, threads_per_rank(nproc))
-    return json.loads(out_path.read_text()), wall
+    return finish(result, table, chart, out_dir / "comm.png")
 
 
 def summarise(run: dict[str, Any], first_timed: int) -> dict[str, Any]:
@@ -104,8 +92,8 @@ def summarise(run: dict[str, Any], first_timed: int) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for hook, s in result["hooks"].items():
-        rows.append([hook, fmt_spread(s["step_time_s"], 3), fmt_spread(_percent(s["comm_share"])),
-                     fmt_spread(_percent(s["exposed_comm_share"])), f"{s['bytes_per_step'] / 2**20:.3f}",
+        rows.append([hook, fmt_spread(s["step_time_s"], 3), fmt_spread(percent(s["comm_share"])),
+                     fmt_spread(percent(s["exposed_comm_share"])), f"{s['bytes_per_step'] / 2**20:.3f}",
                      f"{s['compression_ratio']:.1f}x", f"{s['eval_loss']:.3f}"])
     load = f"load avg {result['loadavg_before'][0]:.1f} -> {result['loadavg_after'][0]:.1f}"
     if any(s["comm_share"] is None for s in result["hooks"].values()):
@@ -116,10 +104,6 @@ def table(result: dict[str, Any]) -> dict[str, Any]:
             "columns": ["hook", "step time s", "comm in flight % of step", "comm exposed % of step",
                         "MiB sent / rank / step", "vs fp32 all-reduce", f"eval loss after {result['steps']} steps"],
             "rows": rows}
-
-
-def _percent(s: dict[str, float] | None) -> dict[str, float] | None:
-    return None if s is None else {key: 100 * value if key != "n" else value for key, value in s.items()}
 
 
 def chart(result: dict[str, Any], path: Path) -> str:

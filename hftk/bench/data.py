@@ -29,7 +29,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from hftk.bench.charts import figure, save
+from hftk.bench.charts import figure, finish, save
 from hftk.bench.launch import BENCH_TRAIN_ARGS, DEFAULT_MODEL, run_workers, threads_per_rank
 
 MODES = {"concat": ["--packing", "concat"], "bfd": ["--packing", "bfd"], "none": ["--packing", "none"],
@@ -38,14 +38,11 @@ PACKED = ("concat", "bfd")  # several examples per row: micro_batch rows; the ot
 
 OPTION_HELP = {
     "nproc": "DDP processes of every run",
-    "model": "model to train (hftk train --model_name_or_path)",
     "block_size": "tokens per block (bfd / concat) and the pad-to-block length",
     "micro_batch": "packed rows per rank per step (concat, bfd); the padded modes take as many rows as give bfd's step count",
     "examples": "prompt / completion pairs the bench writes (a tenth held out)",
     "min_words": "shortest example, in corpus words",
     "max_words": "longest example, in corpus words (>= 10x min_words)",
-    "learning_rate": "constant learning rate",
-    "timeout": "seconds before a launch is killed",
 }
 
 
@@ -109,9 +106,7 @@ def run_data_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, bl
         "bfd_vs_pad_to_block": runs["bfd"]["useful_tokens_per_s"] / runs["pad-to-block"]["useful_tokens_per_s"],
         "bfd_eval_loss_vs_pad_to_block": runs["bfd"]["eval_loss"] / runs["pad-to-block"]["eval_loss"] - 1,
     }
-    result["table"] = table(result)
-    result["charts"] = [chart(result, out_dir / "data.png")]
-    return result
+    return finish(result, table, chart, out_dir / "data.png")
 
 
 def padded_rows_per_rank(bfd: dict[str, Any], nproc: int, micro_batch: int) -> int:

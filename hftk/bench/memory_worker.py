@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
@@ -37,13 +36,6 @@ from hftk.telemetry import peak_memory_bytes, reset_peak_memory
 # The first step creates the optimizer state lazily (DeepSpeed one parameter group after another);
 # from the second on, every step holds the same.
 COUNTED_STEP = 2
-
-
-def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer under accelerate's and DeepSpeed's wrappers (each keeps it as ``.optimizer``)."""
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 class MemoryProbe(TrainerCallback):
@@ -60,7 +52,10 @@ class MemoryProbe(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.lifetime_peak = peak_memory_bytes(self.device)
         reset_peak_memory(self.device)
-        self._hook = innermost_optimizer(self.trainer.optimizer).register_step_post_hook(self._count)
+        optimizer = self.trainer.optimizer
+        while hasattr(optimizer, "optimizer"):  # the torch optimizer under accelerate's and DeepSpeed's wrappers
+            optimizer = optimizer.optimizer
+        self._hook = optimizer.register_step_post_hook(self._count)
 
     def _count(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.trainer.state.global_step != COUNTED_STEP - 1:
@@ -81,7 +76,6 @@ class MemoryProbe(TrainerCallback):
     def result(self) -> dict[str, int]:
         return {**self.counts, "peak": max(self.peak, peak_memory_bytes(self.device)),
                 "lifetime_peak": self.lifetime_peak}
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,10 +113,7 @@ def measure(trainer: Any, strategy: str, out: Path) -> None:
     trainer.train()
     ranks = gather_objects(probe.result())
     if trainer.args.process_index == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"strategy": strategy, "world_size": len(ranks),
-                                   "device": "gpu" if trainer.args.device.type == "cuda" else "cpu",
-                                   "ranks": ranks}, indent=1))
+        write_record(out, strategy, trainer.args.device.type, ranks)
     if dist.is_initialized():  # leave together: a rank tearing down gloo while its peer still writes aborts
         dist.barrier()
 
@@ -141,11 +132,15 @@ def loop_memory(prepared: Any, out: Path) -> int:
     loop.train(prepared)
     if int(os.environ.get("RANK", "0")) == 0:
         ranks = next(r["memory"] for r in read_jsonl(cfg.output_dir / cfg.tracking.metrics_file) if "memory" in r)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"strategy": cfg.strategy.strategy, "world_size": len(ranks),
-                                   "device": "gpu" if device_type(cfg) == "cuda" else "cpu",
-                                   "ranks": ranks}, indent=1))
+        write_record(out, cfg.strategy.strategy, device_type(cfg), ranks)
     return 0
+
+
+def write_record(out: Path, strategy: str, device_type: str, ranks: list[dict[str, int]]) -> None:
+    """What ``hftk bench memory`` reads: every rank's counts, written by rank 0."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"strategy": strategy, "world_size": len(ranks),
+                               "device": "gpu" if device_type == "cuda" else "cpu", "ranks": ranks}, indent=1))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from hftk.bench.worker import write_json
 from hftk.config import StrategyConfig
 from hftk.strategies import pipeline
 
@@ -114,9 +115,7 @@ def main(spec_path: str) -> int:
                 p.grad = None
             if step >= spec["warmup"]:
                 record["steps"].append({"start": start, "end": end, "events": list(events)})
-    out = Path(spec["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "records": records}))
+    write_json(Path(spec["out"]) / f"rank{rank}.json", {"rank": rank, "records": records})
     dist.barrier()
     dist.destroy_process_group()
     return 0

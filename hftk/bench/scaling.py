@@ -14,32 +14,26 @@ from typing import Any
 
 import torch
 
-from hftk.bench.charts import errorbar, figure, fmt_spread, save
+from hftk.bench.charts import errorbar, figure, finish, fmt_spread, save
 from hftk.bench.launch import BENCH_TRAIN_ARGS, DEFAULT_MODEL, max_processes, run_workers, threads_per_rank
-from hftk.bench.stats import last_logged_loss, median_of, spread, timed_steps
+from hftk.bench.stats import load_spread, spread, timed_run
 from hftk.errors import HftkError
 
 OPTION_HELP = {
     "nprocs": "comma-separated process counts (default 1, 2, 4, ... up to one per GPU, or per core on CPU)",
     "strategy": "parallelism to scale (hftk train --strategy)",
-    "model": "model to train (hftk train --model_name_or_path)",
-    "block_size": "tokens per sequence",
     "micro_batch": "sequences per rank per step (weak scaling: fixed per rank)",
-    "learning_rate": "constant learning rate",
     "warmup": "untimed steps at the start of each launch (>= 3 keeps the profiled step 3 out of the timing)",
     "steps": "timed steps per launch (their median is the launch's step time)",
     "repeats": "launches per process count",
     "target_loss": "training loss whose first crossing sets the time to target",
-    "timeout": "seconds before a launch is killed",
 }
 
 
 def default_nprocs() -> list[int]:
     """1, 2, 4, ... up to the machine's processes (and that count itself)."""
     top = max_processes()
-    counts = [1]
-    while counts[-1] * 2 <= top:
-        counts.append(counts[-1] * 2)
+    counts = [2**i for i in range(top.bit_length())]
     return counts if counts[-1] == top else [*counts, top]
 
 
@@ -87,26 +81,17 @@ def run_scaling_bench(out_dir: Path, nprocs: list[int] | None = None, strategy: 
             work = out_dir / f"n{n}-r{rep}"
             launch = run_workers(n, {"mode": "trainer", "argv": [*argv, "--output_dir", str(work / "run")]},
                                  work, timeout, threads)
-            timed = timed_steps(launch.ranks, warmup)
-            step_time = median_of(timed, "wall_s")
+            run = {"nproc": n, "repeat": rep, **timed_run(launch, warmup, n * micro_batch)}
             seconds, steps_needed = time_to_target(launch.ranks, target_loss)
-            runs.append({
-                "nproc": n, "repeat": rep, "step_time_s": step_time, "cpu_time_s": median_of(timed, "cpu_s"),
-                "samples_per_s": n * micro_batch / step_time, "tokens_per_s": n * micro_batch * block_size / step_time,
-                "time_to_target_s": seconds, "steps_to_target": steps_needed,
-                "final_loss": last_logged_loss(launch.ranks), "launch_wall_s": launch.wall_s,
-                "loadavg_before": launch.loadavg_before, "loadavg_after": launch.loadavg_after,
-            })
-    by_nproc = summarize_runs(runs, nprocs)
+            runs.append({**run, "tokens_per_s": n * micro_batch * block_size / run["step_time_s"],
+                         "time_to_target_s": seconds, "steps_to_target": steps_needed, "launch_wall_s": launch.wall_s})
     result: dict[str, Any] = {
         "strategy": strategy, "model": model, "block_size": block_size, "micro_batch_per_rank": micro_batch,
         "warmup_steps": warmup, "timed_steps": steps, "repeats": repeats, "threads_per_rank": threads,
-        "target_loss": target_loss, "runs": runs, "by_nproc": by_nproc,
-        "loadavg_1min": spread([r["loadavg_before"][0] for r in runs] + [r["loadavg_after"][0] for r in runs]),
+        "target_loss": target_loss, "runs": runs, "by_nproc": summarize_runs(runs, nprocs),
+        "loadavg_1min": load_spread(runs),
     }
-    result["table"] = table(result)
-    result["charts"] = [chart(result, out_dir / "scaling.png")]
-    return result
+    return finish(result, table, chart, out_dir / "scaling.png")
 
 
 def summarize_runs(runs: list[dict[str, Any]], nprocs: list[int]) -> dict[str, dict[str, Any]]:

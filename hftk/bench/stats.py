@@ -16,6 +16,11 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def percent(s: dict[str, float] | None) -> dict[str, float] | None:
+    """A spread of fractions in percent (None stays None)."""
+    return None if s is None else {key: value if key == "n" else 100 * value for key, value in s.items()}
+
+
 def timed_steps(ranks: list[dict[str, Any]], warmup: int) -> list[dict[str, float]]:
     """Per optimizer step after ``warmup``: wall time of the slowest rank, CPU time averaged over ranks.
 
@@ -37,6 +42,21 @@ def timed_steps(ranks: list[dict[str, Any]], warmup: int) -> list[dict[str, floa
 
 def median_of(steps: list[dict[str, float]], key: str) -> float:
     return statistics.median(s[key] for s in steps)
+
+
+def timed_run(launch: Any, warmup: int, samples_per_step: int) -> dict[str, Any]:
+    """One launch's (a :class:`hftk.bench.launch.LaunchResult`) median step and CPU time after
+    ``warmup``, its throughput, final loss and the load average around it."""
+    timed = timed_steps(launch.ranks, warmup)
+    step_time = median_of(timed, "wall_s")
+    return {"step_time_s": step_time, "cpu_time_s": median_of(timed, "cpu_s"),
+            "samples_per_s": samples_per_step / step_time, "final_loss": last_logged_loss(launch.ranks),
+            "loadavg_before": launch.loadavg_before, "loadavg_after": launch.loadavg_after}
+
+
+def load_spread(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The 1-minute load average before and after every run."""
+    return spread([r["loadavg_before"][0] for r in runs] + [r["loadavg_after"][0] for r in runs])
 
 
 def last_logged_loss(ranks: list[dict[str, Any]]) -> float:

@@ -29,19 +29,18 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from hftk.comm.collectives import gather_objects
 
-
-class StepClock:
-    """Wall and CPU time of each optimizer step, end to end (data loading and waits included)."""
+class StepClock(TrainerCallback):
+    """Wall and CPU time of each optimizer step, end to end (data loading and waits included). As a
+    Trainer callback it restarts at train begin, ticks at each step end and takes losses and peaks from the logs."""
 
     def __init__(self) -> None:
+        self.on_train_begin()
+
+    def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
         self.steps: list[dict[str, float]] = []
         self.peak_mem_mb: list[float] = []  # rank 0: the monitor's per-window peak, max over ranks
-        self._last = (time.perf_counter(), time.process_time())
-
-    def reset(self) -> None:
-        self.steps.clear()
-        self.peak_mem_mb.clear()
         self._last = (time.perf_counter(), time.process_time())
 
     def tick(self, loss: float | None = None) -> None:
@@ -50,24 +49,14 @@ class StepClock:
                            "loss": math.nan if loss is None else loss})
         self._last = now
 
-
-class StepClockCallback(TrainerCallback):
-    """Feeds a :class:`StepClock` from the Trainer; losses come from the per-step logs."""
-
-    def __init__(self, clock: StepClock) -> None:
-        self.clock = clock
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.clock.reset()
-
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.clock.tick()
+        self.tick()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if logs and "loss" in logs and self.clock.steps:
-            self.clock.steps[-1]["loss"] = float(logs["loss"])
+        if logs and "loss" in logs and self.steps:
+            self.steps[-1]["loss"] = float(logs["loss"])
         if logs and "peak_mem_mb_max" in logs:
-            self.clock.peak_mem_mb.append(float(logs["peak_mem_mb_max"]))
+            self.peak_mem_mb.append(float(logs["peak_mem_mb_max"]))
 
 
 class TokenCount:
@@ -95,7 +84,7 @@ def run_trainer(argv: list[str]) -> dict[str, Any]:
 
     trainer, _, data = build_trainer(prepare(argv))
     clock = StepClock()
-    trainer.add_callback(StepClockCallback(clock))
+    trainer.add_callback(clock)
     tokens = trainer.data_collator = TokenCount(trainer.data_collator)
     trainer.train()
     trained = dict(tokens.counts)
@@ -143,10 +132,8 @@ def run_hand_loop(argv: list[str]) -> dict[str, Any]:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            logged = None
-            if step % t["logging_steps"] == 0:
-                logged = accelerator.reduce(loss.detach(), reduction="mean").item()
-            clock.tick(logged)
+            logged = step % t["logging_steps"] == 0
+            clock.tick(accelerator.reduce(loss.detach(), reduction="mean").item() if logged else None)
             if step == max_steps:
                 break
     return {"steps": clock.steps}
@@ -176,36 +163,34 @@ def run_batch_trials(argv: list[str], trials: list[dict[str, Any]], budget_bytes
             continue
         trial_argv = [*argv, "--per_device_train_batch_size", str(trial["micro_batch"]),
                       "--gradient_accumulation_steps", str(trial["accumulation"]),
-                      "--output_dir", str(Path(trial["output_dir"]))]
+                      "--output_dir", trial["output_dir"]]
         trainer, _, _ = build_trainer(prepare(trial_argv))
-        device = trainer.args.device
         clock = StepClock()
-        trainer.add_callback(StepClockCallback(clock))
+        trainer.add_callback(clock)
         gc.collect()
         try:
             trainer.train()
         except torch.OutOfMemoryError:
             results.append({**trial, "peak_mem_bytes": None, "oom": True, "fits": False, "steps": clock.steps})
-            _write_json(progress, {"trials": results})
+            write_json(progress, {"trials": results})
             sys.stdout.flush()
             os._exit(OUT_OF_MEMORY_EXIT)
         # The run's own monitor measured each logging window's peak on every rank (rank 0 holds the
         # max over ranks); every rank takes rank 0's figure so that all decide alike.
-        peak = _max_over_ranks(max(clock.peak_mem_mb, default=0.0) * 2**20, device)
+        peak = max(gather_objects(max(clock.peak_mem_mb, default=0.0) * 2**20))
         del trainer
         gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op unless CUDA is in use
         fits = budget_bytes is None or peak <= budget_bytes
         if trial["kind"] == "search":
             search_over = not fits
             largest_fit = trial["micro_batch"] if fits else largest_fit
         results.append({**trial, "peak_mem_bytes": peak, "oom": False, "fits": fits, "steps": clock.steps})
-        _write_json(progress, {"trials": results})
+        write_json(progress, {"trials": results})
     return {"trials": results}
 
 
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
+def write_json(path: Path, payload: dict[str, Any]) -> None:
     """Complete or absent: written beside, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}")
@@ -213,30 +198,19 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
     tmp.rename(path)
 
 
-def _max_over_ranks(value: float, device: torch.device) -> float:
-    if not dist.is_initialized():
-        return value
-    on = device if "nccl" in str(dist.get_backend()) else torch.device("cpu")
-    tensor = torch.tensor([value], dtype=torch.float64, device=on)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
-
-
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    mode = spec["mode"]
+    mode, rank = spec["mode"], int(os.environ.get("RANK", "0"))
     if mode == "trainer":
         result = run_trainer(spec["argv"])
     elif mode == "hand":
         result = run_hand_loop(spec["argv"])
     elif mode == "batch":
-        progress = Path(spec["progress"]) / f"rank{os.environ.get('RANK', '0')}.json"
-        result = run_batch_trials(spec["argv"], spec["trials"], spec.get("budget_bytes"), progress,
-                                  spec.get("largest_fit", 0))
+        result = run_batch_trials(spec["argv"], spec["trials"], spec.get("budget_bytes"),
+                                  Path(spec["progress"]) / f"rank{rank}.json", spec.get("largest_fit", 0))
     else:
         raise ValueError(f"unknown bench worker mode {mode!r}")
-    rank = int(os.environ.get("RANK", "0"))
-    _write_json(Path(spec["out"]) / f"rank{rank}.json", {"rank": rank, **result})  # the launcher watches for these
+    write_json(Path(spec["out"]) / f"rank{rank}.json", {"rank": rank, **result})  # the launcher watches for these
     teardown()
     return 0
 
