@@ -79,10 +79,8 @@ def summarise(run: dict[str, Any], first_timed: int) -> dict[str, Any]:
         "cpu_time_s": spread([r["cpu_s"] for r in timed]),
         "comm_share": spread([r["comm_time_s"] / r["wall_s"] for r in timed]) if arrival_timed else None,
         "exposed_comm_share": spread([r["exposed_comm_s"] / r["wall_s"] for r in timed]) if arrival_timed else None,
-        "bytes_per_step": timed[-1]["comm_bytes_per_step"],
-        "compression_ratio": timed[-1]["comm_compression_ratio"],
-        "collectives_per_step": timed[-1]["comm_collectives_per_step"],
-        "buckets": timed[-1]["comm_buckets"],
+        **{k: timed[-1][f"comm_{k}"]
+           for k in ("bytes_per_step", "compression_ratio", "collectives_per_step", "buckets")},
         "final_train_loss": run["records"][-1]["loss"],
         "eval_loss": run["eval_loss"],
         "losses": [r["loss"] for r in run["records"]],
@@ -90,11 +88,9 @@ def summarise(run: dict[str, Any], first_timed: int) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> dict[str, Any]:
-    rows = []
-    for hook, s in result["hooks"].items():
-        rows.append([hook, fmt_spread(s["step_time_s"], 3), fmt_spread(percent(s["comm_share"])),
-                     fmt_spread(percent(s["exposed_comm_share"])), f"{s['bytes_per_step'] / 2**20:.3f}",
-                     f"{s['compression_ratio']:.1f}x", f"{s['eval_loss']:.3f}"])
+    rows = [[hook, fmt_spread(s["step_time_s"], 3), fmt_spread(percent(s["comm_share"])),
+             fmt_spread(percent(s["exposed_comm_share"])), f"{s['bytes_per_step'] / 2**20:.3f}",
+             f"{s['compression_ratio']:.1f}x", f"{s['eval_loss']:.3f}"] for hook, s in result["hooks"].items()]
     load = f"load avg {result['loadavg_before'][0]:.1f} -> {result['loadavg_after'][0]:.1f}"
     if any(s["comm_share"] is None for s in result["hooks"].values()):
         load += "; comm % not measured: NCCL futures complete on enqueue"
@@ -107,8 +103,8 @@ def table(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def chart(result: dict[str, Any], path: Path) -> str:
-    hooks = list(result["hooks"])
     stats = result["hooks"]
+    hooks = list(stats)
     fig, (time_ax, bytes_ax, loss_ax) = figure(3, f"Gradient compression, {result['model']}, {result['nproc']} ranks")
     xs = range(len(hooks))
     share = {h: (stats[h]["comm_share"] or {"median": 0.0})["median"] for h in hooks}  # 0: not timed (NCCL)
@@ -119,16 +115,12 @@ def chart(result: dict[str, Any], path: Path) -> str:
     time_ax.bar(xs, rest, label="compute")
     time_ax.bar(xs, hidden, bottom=rest, label="comm overlapped")
     time_ax.bar(xs, exposed, bottom=[r + hd for r, hd in zip(rest, hidden)], label="comm exposed")
-    time_ax.set_xticks(list(xs), hooks)
-    time_ax.set_ylabel("median step time (s)")
+    time_ax.set(xticks=list(xs), xticklabels=hooks, ylabel="median step time (s)")
     time_ax.legend(fontsize=7)
     bytes_ax.bar(xs, [stats[h]["bytes_per_step"] / 2**20 for h in hooks])
-    bytes_ax.set_yscale("log")
-    bytes_ax.set_xticks(list(xs), hooks)
-    bytes_ax.set_ylabel("MiB sent per rank per step (log)")
+    bytes_ax.set(yscale="log", xticks=list(xs), xticklabels=hooks, ylabel="MiB sent per rank per step (log)")
     for h in hooks:
         loss_ax.plot(range(1, len(stats[h]["losses"]) + 1), stats[h]["losses"], label=h)
-    loss_ax.set_xlabel("step")
-    loss_ax.set_ylabel("training loss")
+    loss_ax.set(xlabel="step", ylabel="training loss")
     loss_ax.legend(fontsize=7)
     return save(fig, path)

@@ -52,8 +52,7 @@ def corpus_blocks(tokenizer: Any, block_size: int) -> torch.Tensor:
 def batch_for(blocks: torch.Tensor, step: int, rank: int, world: int, batch: int) -> torch.Tensor:
     """Rank ``rank``'s slice of step ``step``'s global batch (wrapping around the corpus)."""
     start = (step * world + rank) * batch
-    idx = torch.arange(start, start + batch) % blocks.shape[0]
-    return blocks[idx]
+    return blocks[torch.arange(start, start + batch) % blocks.shape[0]]
 
 
 @dataclasses.dataclass
@@ -66,17 +65,14 @@ class Replica:
 
 
 def make_replica(base: Any, hook: str, job: dict[str, Any], device: torch.device) -> Replica:
-    model = copy.deepcopy(base).to(device)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=job["bucket_cap_mb"])
+    ddp = DistributedDataParallel(copy.deepcopy(base).to(device), bucket_cap_mb=job["bucket_cap_mb"])
     cfg = StrategyConfig(grad_compression=hook, powersgd_rank=job["powersgd_rank"],
                          powersgd_warmup_steps=job["powersgd_warmup_steps"], topk_ratio=job["topk_ratio"],
                          topk_warmup_steps=job["topk_warmup_steps"],
                          hierarchical_allreduce=job["hierarchical"])
     state = register_compression(ddp, cfg)
-    if job["optimizer"] == "adamw":
-        optimizer: Any = torch.optim.AdamW(ddp.parameters(), lr=job["lr"])
-    else:
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=job["lr"], momentum=0.9)
+    optimizer = (torch.optim.AdamW(ddp.parameters(), lr=job["lr"]) if job["optimizer"] == "adamw"
+                 else torch.optim.SGD(ddp.parameters(), lr=job["lr"], momentum=0.9))
     return Replica(hook=hook, ddp=ddp, optimizer=optimizer, state=state)
 
 
@@ -95,8 +91,7 @@ def train_step(replica: Replica, batch: torch.Tensor, max_grad_norm: float, chec
     if stats.arrival_timed:  # NCCL's intervals time enqueueing: no exposed-communication figure from them
         record["exposed_comm_s"] = exposed + counters["comm_wait_s"]
     if check_sync:
-        digests = gather_objects(parameter_digest(replica.ddp.module))
-        record["in_sync"] = len(set(digests)) == 1
+        record["in_sync"] = len(set(gather_objects(parameter_digest(replica.ddp.module)))) == 1
     replica.records.append(record)
 
 

@@ -43,10 +43,9 @@ class Machine:
 
     @classmethod
     def here(cls) -> Machine:
-        cuda = torch.cuda.is_available()
-        device = torch.cuda.get_device_name(0) if cuda else "cpu"
-        return cls(device=device, device_count=torch.cuda.device_count() if cuda else 0,
-                   cpu_count=os.cpu_count() or 1, torch=torch.__version__)
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        return cls(device=device, device_count=torch.cuda.device_count(), cpu_count=os.cpu_count() or 1,
+                   torch=torch.__version__)
 
 
 def max_processes() -> int:

@@ -75,8 +75,7 @@ def replay(ranks_events: list[list[list[Any]]], num_stages: int) -> float:
                 merged.append((kind, stage, mb, cpu))
         actions.append(merged)
     done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * len(actions)
-    pos = [0] * len(actions)
+    free, pos = [0.0] * len(actions), [0] * len(actions)
     while any(pos[r] < len(actions[r]) for r in range(len(actions))):
         progressed = False
         for r, queue in enumerate(actions):

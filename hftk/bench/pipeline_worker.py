@@ -96,9 +96,8 @@ def main(spec_path: str) -> int:
             rt = pipeline.build_runtime(model, scfg, topo)
             events: list[Event] = []
             instrument(rt, events)
-            generator = torch.Generator().manual_seed(m)
             ids = torch.randint(0, spec["vocab_size"], (m * spec["rows_per_microbatch"], spec["block_size"]),
-                                generator=generator)
+                                generator=torch.Generator().manual_seed(m))
             batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
             record["stages"] = rt.num_stages
             configs.append((rt, events, batch, record))

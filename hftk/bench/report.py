@@ -51,8 +51,7 @@ def render_markdown(results: dict[str, dict[str, Any]], meta: dict[str, Any], fa
     ]
     for name, result in results.items():
         lines += [f"## {name}", ""]
-        table = result.get("table")
-        lines += markdown_table(table) if table else markdown_table(scalar_table(result))
+        lines += markdown_table(result.get("table") or scalar_table(result))
         lines += [f"![{name}]({name}/{chart})" for chart in result.get("charts", [])]
         lines.append("")
     for name, error in failures.items():

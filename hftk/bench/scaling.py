@@ -104,10 +104,7 @@ def summarize_runs(runs: list[dict[str, Any]], nprocs: list[int]) -> dict[str, d
         mine = [r for r in runs if r["nproc"] == n]
         reached = [r["time_to_target_s"] for r in mine if r["time_to_target_s"] is not None]
         out[str(n)] = {
-            "samples_per_s": spread([r["samples_per_s"] for r in mine]),
-            "tokens_per_s": spread([r["tokens_per_s"] for r in mine]),
-            "step_time_s": spread([r["step_time_s"] for r in mine]),
-            "cpu_time_s": spread([r["cpu_time_s"] for r in mine]),
+            **{k: spread([r[k] for r in mine]) for k in ("samples_per_s", "tokens_per_s", "step_time_s", "cpu_time_s")},
             "efficiency": spread([r["samples_per_s"] / (n / base_n * base[r["repeat"]]) for r in mine]),
             # each rank's work for the same micro-batch, alone vs among n: steady even on a busy machine,
             # but blind to time spent waiting (exposed communication, stragglers)
@@ -119,11 +116,9 @@ def summarize_runs(runs: list[dict[str, Any]], nprocs: list[int]) -> dict[str, d
 
 
 def table(result: dict[str, Any]) -> dict[str, Any]:
-    rows = []
-    for n, s in result["by_nproc"].items():
-        rows.append([n, fmt_spread(s["samples_per_s"]), fmt_spread(s["step_time_s"], 3), fmt_spread(s["cpu_time_s"], 3),
-                     fmt_spread(s["efficiency"], 2), fmt_spread(s["cpu_efficiency"], 2), fmt_spread(s["time_to_target_s"]),
-                     s["target_reached"]])
+    rows = [[n, fmt_spread(s["samples_per_s"]), fmt_spread(s["step_time_s"], 3), fmt_spread(s["cpu_time_s"], 3),
+             fmt_spread(s["efficiency"], 2), fmt_spread(s["cpu_efficiency"], 2), fmt_spread(s["time_to_target_s"]),
+             s["target_reached"]] for n, s in result["by_nproc"].items()]
     return {"title": f"Scaling ({result['strategy']}, {result['micro_batch_per_rank']} x {result['block_size']} tokens "
                      f"per rank, median [min-max] of {result['repeats']} launches x {result['timed_steps']} steps)",
             "columns": ["processes", "samples/s", "step time s", "CPU s/step/rank", "efficiency", "CPU-time efficiency",

@@ -32,12 +32,8 @@ def timed_steps(ranks: list[dict[str, Any]], warmup: int) -> list[dict[str, floa
     n = counts.pop()
     if n <= warmup:
         raise RuntimeError(f"only {n} steps recorded, not more than the {warmup} warm-up steps")
-    out = []
-    for i in range(warmup, n):
-        per_rank = [r["steps"][i] for r in ranks]
-        out.append({"wall_s": max(s["wall_s"] for s in per_rank),
-                    "cpu_s": sum(s["cpu_s"] for s in per_rank) / len(per_rank)})
-    return out
+    return [{"wall_s": max(r["steps"][i]["wall_s"] for r in ranks),
+             "cpu_s": sum(r["steps"][i]["cpu_s"] for r in ranks) / len(ranks)} for i in range(warmup, n)]
 
 
 def median_of(steps: list[dict[str, float]], key: str) -> float:

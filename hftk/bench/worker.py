@@ -17,6 +17,7 @@ add the tokens this rank's batches computed / held / labelled, the peak memory a
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import math
 import os
@@ -69,8 +70,7 @@ class TokenCount:
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.collate(examples)
-        ids = batch["input_ids"]
-        self.counts["computed"] += ids.numel()
+        self.counts["computed"] += batch["input_ids"].numel()
         self.counts["real"] += sum(len(e["input_ids"]) for e in examples)  # the rows as built, before padding
         self.counts["labelled"] += int((batch["labels"][..., 1:] != -100).sum())
         return batch
@@ -117,25 +117,20 @@ def run_hand_loop(argv: list[str]) -> dict[str, Any]:
                         collate_fn=default_data_collator, drop_last=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t["learning_rate"], weight_decay=cfg.args.weight_decay,
                                   fused=True)
-    max_steps = t["max_steps"]
     scheduler = get_scheduler(t["lr_scheduler_type"], optimizer, num_warmup_steps=t["warmup_steps"],
-                              num_training_steps=max_steps)
+                              num_training_steps=t["max_steps"])
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     clock = StepClock()
-    step = 0
-    while step < max_steps:
-        for batch in loader:
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), t["max_grad_norm"])
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            logged = step % t["logging_steps"] == 0
-            clock.tick(accelerator.reduce(loss.detach(), reduction="mean").item() if logged else None)
-            if step == max_steps:
-                break
+    batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+    for step, batch in zip(range(1, t["max_steps"] + 1), batches):
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), t["max_grad_norm"])
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        logged = step % t["logging_steps"] == 0
+        clock.tick(accelerator.reduce(loss.detach(), reduction="mean").item() if logged else None)
     return {"steps": clock.steps}
 
 
