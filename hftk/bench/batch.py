@@ -42,13 +42,6 @@ OPTION_HELP = {
 }
 
 
-def default_budget_gb() -> float:
-    """The device's memory on GPU; a small fixed budget on CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory / GB
-    return CPU_DEFAULT_BUDGET_GB
-
-
 def check_options(strategies: list[str] | None = None, nproc: int | None = None, global_batch: int = 32,
                   max_micro_batch: int = 64, **_: Any) -> None:
     """Bad input fails before any launch."""
@@ -90,7 +83,9 @@ def run_batch_bench(out_dir: Path, strategies: list[str] | None = None, nproc: i
     out_dir = Path(out_dir)
     strategies = strategies or ["ddp"]
     nproc = nproc or max_processes()
-    budget_gb = budget_gb or default_budget_gb()
+    if not budget_gb:  # the device's memory on GPU
+        cuda = torch.cuda.is_available()
+        budget_gb = torch.cuda.get_device_properties(0).total_memory / GB if cuda else CPU_DEFAULT_BUDGET_GB
     threads = threads_per_rank(nproc)
     argv = [*BENCH_TRAIN_ARGS, "--model_name_or_path", model, "--block_size", str(block_size),
             "--learning_rate", str(learning_rate), "--max_steps", str(warmup + steps), *(train_args or [])]
@@ -151,9 +146,8 @@ def analyse(ranks: list[dict[str, Any]], nproc: int, block_size: int, warmup: in
         peak = record.pop("peak_mem_bytes")
         record["peak_mem_gb"] = None if peak is None else peak / GB  # None: out of memory, nothing measured
         if not trial["oom"]:
-            timed = timed_steps([r["trials"][i] for r in ranks], warmup)
-            samples = trial["micro_batch"] * trial["accumulation"] * nproc
-            record["samples_per_s"] = samples / median_of(timed, "wall_s")
+            step_time = median_of(timed_steps([r["trials"][i] for r in ranks], warmup), "wall_s")
+            record["samples_per_s"] = trial["micro_batch"] * trial["accumulation"] * nproc / step_time
             record["tokens_per_s"] = record["samples_per_s"] * block_size
         trials.append(record)
     fitting = [t for t in trials if t["kind"] == "search" and t["fits"]]
@@ -164,8 +158,7 @@ def analyse(ranks: list[dict[str, Any]], nproc: int, block_size: int, warmup: in
     best = max(pairs, key=lambda t: t["samples_per_s"])
     return {"trials": trials, "largest_micro_batch": max(t["micro_batch"] for t in fitting),
             "peak_mem_gb_at_largest": max(fitting, key=lambda t: t["micro_batch"])["peak_mem_gb"],
-            "best_pair": {"micro_batch": best["micro_batch"], "accumulation": best["accumulation"],
-                          "samples_per_s": best["samples_per_s"]},
+            "best_pair": {k: best[k] for k in ("micro_batch", "accumulation", "samples_per_s")},
             "budget_hit": any(t["kind"] == "search" and not t["fits"] for t in trials)}
 
 

@@ -49,8 +49,7 @@ def bench_function(name: str) -> Callable[..., dict[str, Any]]:
 
 
 def available() -> list[str]:
-    here = Path(__file__).parent
-    return [b for b in BENCHES if (here / f"{b}.py").exists()]
+    return [b for b in BENCHES if (Path(__file__).parent / f"{b}.py").exists()]
 
 
 def options(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
@@ -82,10 +81,8 @@ def _literal(text: str) -> Any:
 
 
 def split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1:]
-    return argv, []
+    i = argv.index("--") if "--" in argv else len(argv)
+    return argv[:i], argv[i + 1:]
 
 
 def default_out(name: str) -> Path:
@@ -185,10 +182,8 @@ def run_benches(out: Path, plan: dict[str, dict[str, Any]], train_args: list[str
             failures[name] = exc.one_line()
         except Exception:  # a bench that crashed still leaves the others' figures and a report
             failures[name] = traceback.format_exc()
-        status = "FAILED" if name in failures else "done"
-        print(f"hftk bench: {name} {status} in {time.time() - t0:.0f}s", flush=True)
-    summary = write_report(out, results, machine, started, command, failures)
-    print(f"hftk bench: report {summary}", flush=True)
+        print(f"hftk bench: {name} {'FAILED' if name in failures else 'done'} in {time.time() - t0:.0f}s", flush=True)
+    print(f"hftk bench: report {write_report(out, results, machine, started, command, failures)}", flush=True)
     for name, error in failures.items():
         print(f"hftk bench: {name} failed: {error.strip().splitlines()[-1]}", file=sys.stderr)
     return 1 if failures else 0
@@ -216,8 +211,7 @@ def bench_command(argv: list[str]) -> int:
     for bench in available():  # an unavailable one is reported by run_benches, after the others ran
         if bench in plan:
             plan[bench] = resolve(bench, plan[bench])
-            check = getattr(sys.modules[bench_function(bench).__module__], "check_options", None)
-            if check:
-                check(**plan[bench])
+            module = sys.modules[bench_function(bench).__module__]
+            getattr(module, "check_options", lambda **_: None)(**plan[bench])
     return run_benches(out, plan, train_args, "hftk bench " + " ".join(argv))
 

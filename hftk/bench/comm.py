@@ -40,9 +40,7 @@ def run_comm_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, st
                    warmup_steps: int = 5, powersgd_rank: int = 4, topk_ratio: float = 0.01,
                    hooks: tuple[str, ...] = HOOKS, timeout: float = 1200) -> dict[str, Any]:
     """Launch one interleaved run of ``hooks`` on ``nproc`` ranks; summarise, tabulate and chart it.
-
-    ``warmup_steps`` uncompressed steps start PowerSGD and top-k; timing starts two steps later.
-    """
+    ``warmup_steps`` uncompressed steps start PowerSGD and top-k; timing starts two steps later."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     job = {"name": "bench", "model": model, "hooks": list(hooks), "steps": steps, "block_size": block_size,

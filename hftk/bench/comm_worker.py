@@ -1,13 +1,12 @@
 """Per-rank worker of ``hftk bench comm`` (and of the compression tests): raw DDP, one hook per replica.
 
-Run under torchrun: ``python -m torch.distributed.run --nproc_per_node 2 -m hftk.bench.comm_worker
---plan plan.json --out results.json``. Each job of the plan trains one DDP replica per hook
-from the same initial weights on the same batches; with ``interleave`` the hooks take turns step
-by step (A B C A B C ...) so machine noise falls on all of them alike. Every step records the
-hook's counters (bytes, collectives, in-flight time), wall and CPU time, the exposed
-communication (hooks blocked on a collective, plus what was still in flight after the last
-bucket was handed over: what backward waited for), and, with
-``check_sync``, whether all ranks hold bitwise-identical parameters.
+Run under torchrun: ``-m hftk.bench.comm_worker --plan plan.json --out results.json``. Each job of the
+plan trains one DDP replica per hook from the same initial weights on the same batches; with
+``interleave`` the hooks take turns step by step (A B C A B C ...) so machine noise falls on all of
+them alike. Every step records the hook's counters (bytes, collectives, in-flight time), wall and CPU
+time, the exposed communication (hooks blocked on a collective, plus what was still in flight after
+the last bucket was handed over: what backward waited for), and, with ``check_sync``, whether all
+ranks hold bitwise-identical parameters.
 """
 
 from __future__ import annotations

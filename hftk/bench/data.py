@@ -31,6 +31,7 @@ from typing import Any
 
 from hftk.bench.charts import figure, finish, save
 from hftk.bench.launch import BENCH_TRAIN_ARGS, DEFAULT_MODEL, run_workers, threads_per_rank
+from hftk.errors import HftkError
 
 MODES = {"concat": ["--packing", "concat"], "bfd": ["--packing", "bfd"], "none": ["--packing", "none"],
          "pad-to-block": ["--packing", "none", "--pad_to_multiple_of", "{block_size}"]}
@@ -47,8 +48,6 @@ OPTION_HELP = {
 
 
 def check_options(min_words: int, max_words: int, **_: Any) -> None:
-    from hftk.errors import HftkError
-
     if max_words < 10 * min_words:
         raise HftkError("--max_words", f"{max_words} is less than 10x min_words ({min_words}).",
                         "spread the lengths at least 10x (what the bench is about).")

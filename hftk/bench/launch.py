@@ -82,13 +82,10 @@ class LaunchResult:
 
 def torchrun_module(nproc: int, module: str, args: list[str], work_dir: Path, timeout: float, threads: int,
                     env: dict[str, str] | None = None, done: Callable[[], bool] | None = None) -> LaunchResult:
-    """``python -m torch.distributed.run ... -m MODULE ARGS`` on loopback, logged to ``work_dir/log.txt``.
-
-    Returns the wall time and the load average around the launch (no ranks); raises RuntimeError with
-    the log's tail on failure or after ``timeout``. ``done`` says whether every rank has written its
-    results: a launch that then fails to exit (a hung teardown) is killed after a grace period instead
-    of costing the whole timeout.
-    """
+    """``python -m torch.distributed.run ... -m MODULE ARGS`` on loopback, logged to ``work_dir/log.txt``: its
+    wall time and the load average around it (no ranks). Raises RuntimeError with the log's tail on failure or
+    after ``timeout``. ``done`` says whether every rank has written its results: a launch that then fails to
+    exit (a hung teardown) is killed after a grace period instead of costing the whole timeout."""
     work_dir.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -26,6 +26,7 @@ from hftk import allocator
 from hftk.bench.charts import figure, finish, save
 from hftk.bench.launch import BENCH_TRAIN_ARGS, threads_per_rank, torchrun_module
 from hftk.bench.report import markdown_table
+from hftk.errors import HftkError
 from hftk.plan import MIB, PLAN_STRATEGIES, StrategyPlan
 
 DEFAULT_MODEL = "builtin:gpt2-90m"
@@ -128,7 +129,6 @@ def estimate_mesh(name: str, model_config: Any, shape: Any, inputs: Any) -> Stra
 def check_options(strategies: tuple[str, ...] = PLAN_STRATEGIES, nproc: int = 2, **_: Any) -> None:
     """Bad input fails before any launch: unknown strategies, a TP x FSDP row without room for both."""
     from hftk import strategies as known
-    from hftk.errors import HftkError
 
     for name in strategies:
         if name not in MESH_ROWS:

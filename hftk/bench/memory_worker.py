@@ -29,9 +29,9 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hftk.comm.collectives import gather_objects
+from hftk.errors import HftkError
 from hftk.memory import model_state_bytes
 from hftk.telemetry import peak_memory_bytes, reset_peak_memory
-
 
 # The first step creates the optimizer state lazily (DeepSpeed one parameter group after another);
 # from the second on, every step holds the same.
@@ -81,7 +81,6 @@ class MemoryProbe(TrainerCallback):
 def main(argv: list[str] | None = None) -> int:
     from hftk import strategies
     from hftk.engine.trainer import build_trainer
-    from hftk.errors import HftkError
     from hftk.run import prepare
 
     argv = list(sys.argv[1:] if argv is None else argv)

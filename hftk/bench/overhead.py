@@ -35,9 +35,7 @@ def run_overhead_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL
                        repeats: int = 3, logging_steps: int = 5, train_args: list[str] | None = None,
                        timeout: float = 600) -> dict[str, Any]:
     """``repeats`` interleaved pairs of launches; ratios > 1 mean hftk is faster than the hand loop.
-
-    Both log (reduce the loss across ranks) every ``logging_steps`` steps: hftk's default of 5.
-    """
+    Both log (reduce the loss across ranks) every ``logging_steps`` steps: hftk's default of 5."""
     out_dir = Path(out_dir)
     threads = threads_per_rank(nproc)
     argv = [*BENCH_TRAIN_ARGS, "--model_name_or_path", model, "--block_size", str(block_size),

@@ -35,6 +35,7 @@ from typing import Any
 from hftk.bench.charts import errorbar, figure, finish, fmt_spread, save
 from hftk.bench.launch import Machine, run_workers, threads_per_rank
 from hftk.bench.stats import percent, spread
+from hftk.errors import HftkError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MICROBATCHES = (1, 2, 4, 8)
@@ -180,8 +181,6 @@ def chart(result: dict[str, Any], path: Path) -> str:
 def check_options(nproc: int = 2, microbatches: list[int] = MICROBATCHES, schedules: list[str] = SCHEDULES,
                   virtual_stages: int = 2, n_layer: int = 8, **_: Any) -> None:
     """Before launching (``hftk bench`` calls it first): options the worker could only fail on."""
-    from hftk.errors import HftkError
-
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown:
         raise HftkError("--schedules", f"unknown schedule '{unknown[0]}'.", f"use some of {', '.join(SCHEDULES)}.")

@@ -1,10 +1,8 @@
-"""Per-rank worker of ``hftk bench pipeline``: time every action of every schedule on this rank.
+"""Per-rank worker of ``hftk bench pipeline`` (``-m hftk.bench.pipeline_worker spec.json`` under torchrun).
 
-Run under torchrun (``python -m torch.distributed.run --nproc_per_node P -m
-hftk.bench.pipeline_worker spec.json``). One GPT-2-shaped model is cut into stages with
-:mod:`hftk.strategies.pipeline` once per (schedule, micro-batch count); the configurations then
-take turns step by step (A B C A B C ...) so that load from other processes falls on all of
-them alike. For each step the rank records its start and end (after a barrier) and, for every
+One GPT-2-shaped model is cut into stages with :mod:`hftk.strategies.pipeline` once per (schedule,
+micro-batch count); the configurations take turns step by step (A B C A B C ...), so that other load
+falls on all alike. Per step the rank records its start and end (after a barrier) and, for every
 forward, loss and backward it runs, the wall-clock interval and the CPU time of its thread.
 """
 
