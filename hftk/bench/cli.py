@@ -80,11 +80,6 @@ def _literal(text: str) -> Any:
         return text
 
 
-def split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    i = argv.index("--") if "--" in argv else len(argv)
-    return argv[:i], argv[i + 1:]
-
-
 def default_out(name: str) -> Path:
     return Path("outputs") / "bench" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -191,7 +186,8 @@ def run_benches(out: Path, plan: dict[str, dict[str, Any]], train_args: list[str
 
 def bench_command(argv: list[str]) -> int:
     """Entry point of ``hftk bench``: every option is checked before the first launch."""
-    own, train_args = split_train_args(argv)
+    i = argv.index("--") if "--" in argv else len(argv)
+    own, train_args = argv[:i], argv[i + 1:]
     if not own or own[0] in ("-h", "--help"):
         print(__doc__.strip())
         print(f"\nbenches: {', '.join(BENCHES)}, all (available here: {', '.join(available())})")

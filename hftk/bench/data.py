@@ -68,8 +68,7 @@ def write_examples(path: Path, n: int, min_words: int, max_words: int, seed: int
                      "completion": " " + " ".join(words[start + cut:start + length])})
         lengths.append(length)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"examples": n, "words_min": min(lengths), "words_max": max(lengths),
-            "words_mean": sum(lengths) / n}
+    return {"examples": n, "words_min": min(lengths), "words_max": max(lengths), "words_mean": sum(lengths) / n}
 
 
 def run_data_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, block_size: int = 256,

@@ -77,10 +77,10 @@ def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, 
         for strategy in strategies:
             work = out_dir / (strategy + suffix.replace(" ", "_"))
             record = work / "memory.json"
+            layout = MESH_ROWS[strategy](nproc) if strategy in MESH_ROWS else ["--strategy", strategy]
             launch = torchrun_module(nproc, "hftk.bench.memory_worker",
-                                     [*argv, *extra, *strategy_args(strategy, nproc), "--output_dir",
-                                      str(work / "run"), "--memory_out", str(record)],
-                                     work, timeout, threads_per_rank(nproc))
+                                     [*argv, *extra, *layout, "--output_dir", str(work / "run"), "--memory_out",
+                                      str(record)], work, timeout, threads_per_rank(nproc))
             runs[strategy + suffix] = summarise(json.loads(record.read_text()), predictions[strategy], launch.wall_s)
     result: dict[str, Any] = {
         "model": model, "nproc": nproc, "block_size": block_size, "micro_batch": micro_batch, "steps": steps,
@@ -112,10 +112,6 @@ def predict(argv: list[str], nproc: int, strategies: tuple[str, ...]) -> dict[st
     inputs = inputs_from_config(cfg, nproc, budget=0)
     return {s: estimate_mesh(s, model_config, shape, inputs) if s in MESH_ROWS else estimate(s, shape, inputs)
             for s in strategies}
-
-
-def strategy_args(name: str, nproc: int) -> list[str]:
-    return MESH_ROWS[name](nproc) if name in MESH_ROWS else ["--strategy", name]
 
 
 def estimate_mesh(name: str, model_config: Any, shape: Any, inputs: Any) -> StrategyPlan:

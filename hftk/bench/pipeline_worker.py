@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hftk.bench.worker import write_json
+from hftk.bench.worker import teardown, write_json
 from hftk.config import StrategyConfig
 from hftk.strategies import pipeline
 
@@ -85,8 +85,7 @@ def main(spec_path: str) -> int:
         for m in spec["microbatches"]:
             record: dict[str, Any] = {"schedule": schedule, "microbatches": m, "steps": []}
             records.append(record)
-            reason = invalid(schedule, m, pp)
-            if reason:
+            if reason := invalid(schedule, m, pp):
                 record["skipped"] = reason
                 continue
             scfg = StrategyConfig(strategy="pipeline", pp_size=pp, pp_microbatches=m, pp_schedule=schedule,
@@ -113,8 +112,7 @@ def main(spec_path: str) -> int:
             if step >= spec["warmup"]:
                 record["steps"].append({"start": start, "end": end, "events": list(events)})
     write_json(Path(spec["out"]) / f"rank{rank}.json", {"rank": rank, "records": records})
-    dist.barrier()
-    dist.destroy_process_group()
+    teardown()
     return 0
 
 

@@ -21,7 +21,6 @@ from hftk.bench.launch import Machine
 def write_report(report_dir: Path, results: dict[str, dict[str, Any]], machine: Machine, started: float,
                  command: str, failures: dict[str, str] | None = None) -> Path:
     """Write ``results.json`` and ``summary.md`` into ``report_dir``; returns the summary's path."""
-    report_dir = Path(report_dir)
     meta = {**dataclasses.asdict(machine), "loadavg_end": list(os.getloadavg()), "command": command,
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
             "duration_s": time.time() - started}

@@ -44,20 +44,15 @@ def timed_run(launch: Any, warmup: int, samples_per_step: int) -> dict[str, Any]
     """One launch's (a :class:`hftk.bench.launch.LaunchResult`) median step and CPU time after
     ``warmup``, its throughput, final loss and the load average around it."""
     timed = timed_steps(launch.ranks, warmup)
+    logged = [s["loss"] for s in launch.ranks[0]["steps"] if not math.isnan(s["loss"])]  # NaN: a step that did not log
+    if not logged:
+        raise RuntimeError("no step logged a loss: lower logging_steps below the number of steps")
     step_time = median_of(timed, "wall_s")
     return {"step_time_s": step_time, "cpu_time_s": median_of(timed, "cpu_s"),
-            "samples_per_s": samples_per_step / step_time, "final_loss": last_logged_loss(launch.ranks),
+            "samples_per_s": samples_per_step / step_time, "final_loss": logged[-1],
             "loadavg_before": launch.loadavg_before, "loadavg_after": launch.loadavg_after}
 
 
 def load_spread(runs: list[dict[str, Any]]) -> dict[str, float]:
     """The 1-minute load average before and after every run."""
     return spread([r["loadavg_before"][0] for r in runs] + [r["loadavg_after"][0] for r in runs])
-
-
-def last_logged_loss(ranks: list[dict[str, Any]]) -> float:
-    """The loss of the last step that logged one (steps between logging steps carry NaN)."""
-    logged = [s["loss"] for s in ranks[0]["steps"] if not math.isnan(s["loss"])]
-    if not logged:
-        raise RuntimeError("no step logged a loss: lower logging_steps below the number of steps")
-    return logged[-1]
