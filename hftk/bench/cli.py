@@ -125,8 +125,7 @@ def parse_all(argv: list[str]) -> tuple[Path, dict[str, dict[str, Any]]]:
     parser.add_argument("--set", action="append", default=[], metavar="NAME.OPTION=VALUE",
                         help="One bench's option, e.g. --set scaling.repeats=5 (repeatable).")
     ns = _parse(parser, argv)
-    unknown = [b for b in ns.only if b not in BENCHES]
-    if unknown:
+    if unknown := [b for b in ns.only if b not in BENCHES]:
         raise HftkError("--only", f"unknown bench '{unknown[0]}'.", f"use names from {', '.join(BENCHES)}.")
     shared = {k: getattr(ns, k) for k in SHARED if getattr(ns, k) is not None}
     per_bench: dict[str, dict[str, Any]] = {b: {**ALL_DEFAULTS.get(b, {}), **shared} for b in ns.only}

@@ -56,13 +56,13 @@ def run_comm_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, st
     launch = torchrun_module(nproc, "hftk.bench.comm_worker", ["--plan", str(plan_path), "--out", str(out_path)],
                              out_dir, timeout, threads_per_rank(nproc))
     raw = json.loads(out_path.read_text())
-    rows = {r["hook"]: summarise(r, first_timed) for r in raw}
     result: dict[str, Any] = {
         "nproc": nproc, "model": model, "params": raw[0]["params"], "steps": steps, "timed_steps": steps - first_timed,
         "block_size": block_size, "micro_batch_per_rank": micro_batch, "bucket_cap_mb": bucket_cap_mb,
         "warmup_steps": warmup_steps, "powersgd_rank": powersgd_rank, "topk_ratio": topk_ratio,
         "threads_per_rank": threads_per_rank(nproc), "launch_wall_s": launch.wall_s, "machine": machine.__dict__,
-        "loadavg_before": launch.loadavg_before, "loadavg_after": launch.loadavg_after, "hooks": rows,
+        "loadavg_before": launch.loadavg_before, "loadavg_after": launch.loadavg_after,
+        "hooks": {r["hook"]: summarise(r, first_timed) for r in raw},
     }
     (out_dir / "comm.json").write_text(json.dumps(result, indent=1))
     return finish(result, table, chart, out_dir / "comm.png")

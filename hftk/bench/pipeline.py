@@ -127,13 +127,12 @@ def summarise(ranks: list[dict[str, Any]], pp: int, virtual: int) -> list[dict[s
             rows.append({**row, "skipped": record["skipped"]})
             continue
         steps = [[rank["records"][index]["steps"][i] for rank in ranks] for i in range(len(record["steps"]))]
-        replayed = [replay([s["events"] for s in step], record["stages"]) for step in steps]
-        walls = [wall_bubble(step) for step in steps]
         spans = [max(s["end"] for s in step) - min(s["start"] for s in step) for step in steps]
         on_cpu = [sum(e[5] for s in step for e in s["events"]) / sum(e[4] - e[3] for s in step for e in s["events"])
                   for step in steps]
-        row.update(replay=spread(replayed), wall=spread(walls), step_s=spread(spans), compute_on_cpu=spread(on_cpu),
-                   stage_cpu_ms=stage_costs(ranks, index))
+        row.update(replay=spread([replay([s["events"] for s in step], record["stages"]) for step in steps]),
+                   wall=spread([wall_bubble(step) for step in steps]), step_s=spread(spans),
+                   compute_on_cpu=spread(on_cpu), stage_cpu_ms=stage_costs(ranks, index))
         row["replay_minus_theory_pp"] = 100 * (row["replay"]["median"] - row["theory"])
         row["wall_minus_theory_pp"] = 100 * (row["wall"]["median"] - row["theory"])
         rows.append(row)
@@ -181,8 +180,7 @@ def chart(result: dict[str, Any], path: Path) -> str:
 def check_options(nproc: int = 2, microbatches: list[int] = MICROBATCHES, schedules: list[str] = SCHEDULES,
                   virtual_stages: int = 2, n_layer: int = 8, **_: Any) -> None:
     """Before launching (``hftk bench`` calls it first): options the worker could only fail on."""
-    unknown = [s for s in schedules if s not in SCHEDULES]
-    if unknown:
+    if unknown := [s for s in schedules if s not in SCHEDULES]:
         raise HftkError("--schedules", f"unknown schedule '{unknown[0]}'.", f"use some of {', '.join(SCHEDULES)}.")
     if nproc < 2:
         raise HftkError("--nproc", f"a pipeline needs at least 2 ranks, got {nproc}.", "set --nproc 2 or more.")

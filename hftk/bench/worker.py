@@ -156,10 +156,9 @@ def run_batch_trials(argv: list[str], trials: list[dict[str, Any]], budget_bytes
     for trial in trials:
         if (trial["kind"] == "search" and search_over) or (trial["kind"] == "pair" and trial["micro_batch"] > largest_fit):
             continue
-        trial_argv = [*argv, "--per_device_train_batch_size", str(trial["micro_batch"]),
-                      "--gradient_accumulation_steps", str(trial["accumulation"]),
-                      "--output_dir", trial["output_dir"]]
-        trainer, _, _ = build_trainer(prepare(trial_argv))
+        trainer, _, _ = build_trainer(prepare([*argv, "--per_device_train_batch_size", str(trial["micro_batch"]),
+                                               "--gradient_accumulation_steps", str(trial["accumulation"]),
+                                               "--output_dir", trial["output_dir"]]))
         clock = StepClock()
         trainer.add_callback(clock)
         gc.collect()
