@@ -66,9 +66,7 @@ def plan_trials(nproc: int, global_batch: int, max_micro_batch: int, work: Path)
     if per_rank not in search:
         trials.append({"kind": "pair", "micro_batch": per_rank, "accumulation": 1})
     trials += [{"kind": "pair", "micro_batch": b, "accumulation": per_rank // b} for b in sorted(pairs, reverse=True)]
-    for i, trial in enumerate(trials):
-        trial["output_dir"] = str(work / f"trial{i}")
-    return trials
+    return [{**trial, "output_dir": str(work / f"trial{i}")} for i, trial in enumerate(trials)]
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -47,6 +47,4 @@ def errorbar(ax: Any, xs: list[float], spreads: list[dict[str, float]], label: s
 
 def fmt_spread(s: dict[str, float] | None, digits: int = 1) -> str:
     """``median [min-max]`` for a table cell."""
-    if s is None:
-        return "-"
-    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+    return "-" if s is None else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"

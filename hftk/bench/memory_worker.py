@@ -1,12 +1,8 @@
 """Per-rank worker of ``hftk bench memory`` and of the plan-accuracy test: a short run of one
-strategy through hftk's own engine, measuring what each rank holds.
-
-Run under a launcher with the usual finetune options plus ``--memory_out FILE``::
-
-    torchrun --nproc_per_node 2 -m hftk.bench.memory_worker --strategy zero3 --max_steps 2 ... \\
-        --memory_out zero3.json
-
-Two measurements per rank:
+strategy through hftk's own engine, measuring what each rank holds. Run under a launcher with the
+usual finetune options plus ``--memory_out FILE`` (``torchrun --nproc_per_node 2 -m
+hftk.bench.memory_worker --strategy zero3 --max_steps 2 ... --memory_out zero3.json``). Two
+measurements per rank:
 
 - model state (:func:`hftk.memory.model_state_bytes`) counted inside the second optimizer step,
   after each call of the innermost torch optimizer's ``step`` (a post-hook), keeping the largest:
@@ -118,11 +114,9 @@ def measure(trainer: Any, strategy: str, out: Path) -> None:
 
 
 def loop_memory(prepared: Any, out: Path) -> int:
-    """Strategies of hftk's custom loop (no Trainer): the loop counts the same bytes itself.
-
-    It logs every rank's params / grads / optimizer bytes after its first optimizer step and the
-    training phase's peak (reset before the first step) as one ``memory`` record in metrics.jsonl.
-    """
+    """Strategies of hftk's custom loop (no Trainer): the loop counts the same bytes itself. It logs every
+    rank's params / grads / optimizer bytes after its first optimizer step and the training phase's peak
+    (reset before the first step) as one ``memory`` record in metrics.jsonl."""
     from hftk.engine import loop
     from hftk.monitor import read_jsonl
     from hftk.strategies.mesh import device_type

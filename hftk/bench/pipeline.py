@@ -142,9 +142,8 @@ def summarise(ranks: list[dict[str, Any]], pp: int, virtual: int) -> list[dict[s
 def table(result: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for r in result["rows"]:
-        theory_cell = f"{100 * r['theory']:.1f}"
-        if r["schedule"] == "interleaved_1f1b":
-            theory_cell += f" ({100 * r['theory_non_interleaved']:.1f} w/o)"
+        theory_cell = f"{100 * r['theory']:.1f}" + (
+            f" ({100 * r['theory_non_interleaved']:.1f} w/o)" if r["schedule"] == "interleaved_1f1b" else "")
         measured = ["n/a", "n/a", "-", "-", r["skipped"]] if "skipped" in r else [
             fmt_spread(percent(r["replay"])), fmt_spread(percent(r["wall"])), f"{r['replay_minus_theory_pp']:+.1f}",
             f"{100 * r['compute_on_cpu']['median']:.0f}", f"{r['step_s']['median']:.2f}"]

@@ -52,14 +52,14 @@ def check_options(nprocs: list[int] | None = None, strategy: str = "ddp", repeat
         raise HftkError("bench.repeats", "repeats and steps must be at least 1.", "use e.g. 3 repeats of 20 steps.")
 
 
-def time_to_target(ranks: list[dict[str, Any]], target: float) -> tuple[float | None, int | None]:
-    """Seconds and steps from the start until the logged loss first reaches ``target``."""
+def time_to_target(ranks: list[dict[str, Any]], target: float) -> dict[str, float | None]:
+    """Seconds and steps from the start until the logged loss first reaches ``target`` (None: never)."""
     elapsed = 0.0
     for i, step in enumerate(ranks[0]["steps"]):
         elapsed += max(r["steps"][i]["wall_s"] for r in ranks)
         if step["loss"] <= target:
-            return elapsed, i + 1
-    return None, None
+            return {"time_to_target_s": elapsed, "steps_to_target": i + 1}
+    return {"time_to_target_s": None, "steps_to_target": None}
 
 
 def run_scaling_bench(out_dir: Path, nprocs: list[int] | None = None, strategy: str = "ddp",
@@ -82,9 +82,8 @@ def run_scaling_bench(out_dir: Path, nprocs: list[int] | None = None, strategy: 
             launch = run_workers(n, {"mode": "trainer", "argv": [*argv, "--output_dir", str(work / "run")]},
                                  work, timeout, threads)
             run = {"nproc": n, "repeat": rep, **timed_run(launch, warmup, n * micro_batch)}
-            seconds, steps_needed = time_to_target(launch.ranks, target_loss)
             runs.append({**run, "tokens_per_s": n * micro_batch * block_size / run["step_time_s"],
-                         "time_to_target_s": seconds, "steps_to_target": steps_needed, "launch_wall_s": launch.wall_s})
+                         **time_to_target(launch.ranks, target_loss), "launch_wall_s": launch.wall_s})
     result: dict[str, Any] = {
         "strategy": strategy, "model": model, "block_size": block_size, "micro_batch_per_rank": micro_batch,
         "warmup_steps": warmup, "timed_steps": steps, "repeats": repeats, "threads_per_rank": threads,

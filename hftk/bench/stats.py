@@ -22,10 +22,8 @@ def percent(s: dict[str, float] | None) -> dict[str, float] | None:
 
 
 def timed_steps(ranks: list[dict[str, Any]], warmup: int) -> list[dict[str, float]]:
-    """Per optimizer step after ``warmup``: wall time of the slowest rank, CPU time averaged over ranks.
-
-    The slowest rank sets the pace of a synchronous run; CPU time is each rank's own work.
-    """
+    """Per optimizer step after ``warmup``: wall time of the slowest rank (it sets the pace of a synchronous
+    run), CPU time averaged over ranks (each rank's own work)."""
     counts = {len(r["steps"]) for r in ranks}
     if len(counts) != 1:
         raise RuntimeError(f"ranks recorded different step counts: {sorted(counts)}")

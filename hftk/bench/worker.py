@@ -1,6 +1,5 @@
-"""The process every rank of a bench launch runs: ``python -m hftk.bench.worker SPEC.json``.
-
-Modes (``spec["mode"]``):
+"""The process every rank of a bench launch runs: ``python -m hftk.bench.worker SPEC.json``, in one of
+three modes (``spec["mode"]``):
 
 - ``trainer``: hftk's own engine (``hftk.engine.trainer.build_trainer``, the path ``hftk train``
   takes, monitoring callbacks included) for the given ``hftk train`` argv;
