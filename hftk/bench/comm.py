@@ -1,14 +1,14 @@
 """``hftk bench comm``: every gradient-compression hook side by side, in one launch.
 
-One DDP replica per hook trains from the same weights on the same batches, the hooks taking
-turns step by step (see :mod:`hftk.bench.comm_worker`), so load on a shared machine falls on
-all of them alike. Per hook: step time, communication share of the step, bytes each rank sends
-per step and the ratio to an fp32 all-reduce, and the loss after N steps. Communication time
-comes from the hooks' own counters (the union of the intervals in which a collective was in
-flight: :mod:`hftk.comm.accounting`), and the *exposed* part (hooks blocked on a collective, plus
+One DDP replica per hook trains from the same weights on the same batches, the hooks taking turns
+step by step (see :mod:`hftk.bench.comm_worker`), so load on a shared machine falls on all of them
+alike. Per hook: step time, communication share of the step, bytes each rank sends per step and the
+ratio to an fp32 all-reduce, and the loss after N steps. Communication time comes from the hooks'
+own counters (the union of the intervals in which a collective was in flight:
+:mod:`hftk.comm.accounting`), and the *exposed* part (hooks blocked on a collective, plus
 communication still in flight after the last bucket was handed over); never from subtracting a
-``no_sync`` run, whose difference drowns in the noise. Warm-up steps (uncompressed, for PowerSGD and top-k) and the
-first steps are not timed.
+``no_sync`` run, whose difference drowns in the noise. Warm-up steps (uncompressed, for PowerSGD and
+top-k) and the first steps are not timed.
 """
 
 from __future__ import annotations

@@ -4,12 +4,10 @@ how close the memory plan (:mod:`hftk.plan`) came.
 Every strategy trains the same model for a few steps through hftk's own engine
 (:mod:`hftk.bench.memory_worker`), one launch after another. Like every hftk run the workers tell
 glibc to hand freed memory back (:mod:`hftk.allocator`): with its defaults glibc keeps 0.9-1.2 GiB
-of freed heap resident and RSS hides what sharding saves (field notes). Per rank:
-
-- peak: the training phase's peak, VmHWM reset at train begin on CPU (the allocator's peak on
-  GPU); loading and imports come before it and are reported as ``lifetime_peak_mib``;
-- counted model state: bytes of parameters, gradients and optimizer state at the optimizer step;
-- the plan's prediction of both for the same model, batch and world size.
+of freed heap resident and RSS hides what sharding saves (field notes). Per rank: the training
+phase's peak and the counted bytes of parameters, gradients and optimizer state (how:
+:mod:`hftk.bench.memory_worker`; loading and imports come before the peak, as ``lifetime_peak_mib``),
+beside the plan's prediction of both for the same model, batch and world size.
 
 With ``--lora_r R`` every strategy also runs with LoRA adapters of rank R, and with ``--load_in_4bit``
 on a 4-bit (QLoRA) base too, as rows ``STRATEGY lora`` / ``STRATEGY qlora`` beside full fine-tuning.

@@ -41,8 +41,7 @@ class MemoryProbe(TrainerCallback):
         self.trainer = trainer
         self.device = trainer.args.device
         self.counts: dict[str, int] = {}
-        self.lifetime_peak = 0
-        self.peak = 0
+        self.lifetime_peak = self.peak = 0
         self._hook: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

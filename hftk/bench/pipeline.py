@@ -196,8 +196,7 @@ def run_pipeline_bench(out_dir: Path, nproc: int = 2, microbatches: list[int] = 
                        block_size: int = 128, rows_per_microbatch: int = 2, n_layer: int = 8, n_embd: int = 128,
                        timeout: float = 900) -> dict[str, Any]:
     """Measure the bubble of every schedule at every micro-batch count in one launch; table + chart."""
-    check_options(nproc=nproc, microbatches=list(microbatches), schedules=list(schedules),
-                  virtual_stages=virtual_stages, n_layer=n_layer)
+    check_options(nproc, microbatches, schedules, virtual_stages, n_layer)
     out_dir = Path(out_dir)
     spec = {"schedules": list(schedules), "microbatches": [int(m) for m in microbatches],
             "virtual_stages": virtual_stages, "steps": steps, "warmup": warmup, "block_size": block_size,

@@ -49,10 +49,8 @@ def render_markdown(results: dict[str, dict[str, Any]], meta: dict[str, Any], fa
         "- figures are medians with [min-max] over repeats; raw numbers in `results.json`.", "",
     ]
     for name, result in results.items():
-        lines += [f"## {name}", ""]
-        lines += markdown_table(result.get("table") or scalar_table(result))
-        lines += [f"![{name}]({name}/{chart})" for chart in result.get("charts", [])]
-        lines.append("")
+        lines += [f"## {name}", "", *markdown_table(result.get("table") or scalar_table(result)),
+                  *[f"![{name}]({name}/{chart})" for chart in result.get("charts", [])], ""]
     for name, error in failures.items():
         lines += [f"## {name}: FAILED", "", "```", error.strip()[-3000:], "```", ""]
     return "\n".join(lines)

@@ -138,15 +138,13 @@ OUT_OF_MEMORY_EXIT = 3  # a batch trial ran out of device memory on this rank (h
 
 def run_batch_trials(argv: list[str], trials: list[dict[str, Any]], budget_bytes: float | None,
                      progress: Path, largest_fit: int = 0) -> dict[str, Any]:
-    """Trainer runs at each (micro_batch, accumulation) in order, in one process group.
-
-    A trial of kind ``search`` whose peak (max over ranks) exceeds the budget ends the search: later
-    ``search`` trials are skipped. A ``pair`` trial runs only when its micro-batch is no larger than
-    the largest one that fitted (``largest_fit`` when an earlier launch found it). After each trial
-    this rank's records so far are in ``progress``. A rank that runs out of device memory records the
-    trial and ends the launch at once: its peers may be inside a collective of that step, which it
-    can never join, so no later collective would pair up (``hftk.bench.batch`` relaunches).
-    """
+    """Trainer runs at each (micro_batch, accumulation) in order, in one process group. A trial of kind
+    ``search`` whose peak (max over ranks) exceeds the budget ends the search: later ``search`` trials are
+    skipped. A ``pair`` trial runs only when its micro-batch is no larger than the largest one that fitted
+    (``largest_fit`` when an earlier launch found it). After each trial this rank's records so far are in
+    ``progress``. A rank that runs out of device memory records the trial and ends the launch at once: its
+    peers may be inside a collective of that step, which it can never join, so no later collective would
+    pair up (``hftk.bench.batch`` relaunches)."""
     from hftk.engine.trainer import build_trainer
     from hftk.run import prepare
 
