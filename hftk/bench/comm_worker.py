@@ -67,8 +67,7 @@ def make_replica(base: Any, hook: str, job: dict[str, Any], device: torch.device
     ddp = DistributedDataParallel(copy.deepcopy(base).to(device), bucket_cap_mb=job["bucket_cap_mb"])
     cfg = StrategyConfig(grad_compression=hook, powersgd_rank=job["powersgd_rank"],
                          powersgd_warmup_steps=job["powersgd_warmup_steps"], topk_ratio=job["topk_ratio"],
-                         topk_warmup_steps=job["topk_warmup_steps"],
-                         hierarchical_allreduce=job["hierarchical"])
+                         topk_warmup_steps=job["topk_warmup_steps"], hierarchical_allreduce=job["hierarchical"])
     state = register_compression(ddp, cfg)
     optimizer = (torch.optim.AdamW(ddp.parameters(), lr=job["lr"]) if job["optimizer"] == "adamw"
                  else torch.optim.SGD(ddp.parameters(), lr=job["lr"], momentum=0.9))
@@ -97,8 +96,7 @@ def train_step(replica: Replica, batch: torch.Tensor, max_grad_norm: float, chec
 @torch.no_grad()
 def eval_loss(replica: Replica, blocks: torch.Tensor, batch: int) -> float:
     """Mean loss over the held-out blocks (identical on every rank: the replicas are)."""
-    model = replica.ddp.module
-    losses = [model(input_ids=blocks[i:i + batch], labels=blocks[i:i + batch]).loss.item()
+    losses = [replica.ddp.module(input_ids=blocks[i:i + batch], labels=blocks[i:i + batch]).loss.item()
               for i in range(0, blocks.shape[0], batch)]
     return sum(losses) / len(losses)
 

@@ -156,10 +156,9 @@ def table(result: dict[str, Any]) -> dict[str, Any]:
 def chart(result: dict[str, Any], path: Path) -> str:
     modes = list(result["modes"])
     fig, (speed, pad, loss) = figure(3, f"Packing modes ({result['nproc']} ranks, block {result['block_size']})")
-    colours = ["tab:gray", "tab:green", "tab:blue", "tab:red"]
     for ax, key, label in ((speed, "useful_tokens_per_s", "useful (label) tokens / s"),
                            (pad, "padding_share", "padding share of compute"), (loss, "eval_loss", "held-out loss")):
-        ax.bar(modes, [result["modes"][m][key] for m in modes], color=colours)
+        ax.bar(modes, [result["modes"][m][key] for m in modes], color=["tab:gray", "tab:green", "tab:blue", "tab:red"])
         ax.set(ylabel=label)
         ax.tick_params(axis="x", labelrotation=20)
     return save(fig, path)

@@ -86,9 +86,8 @@ def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, 
         "strategies": runs,
     }
     if "ddp" in runs:
-        ddp = runs["ddp"]["peak_mib"]
         for run in runs.values():
-            run["peak_vs_ddp"] = run["peak_mib"] / ddp
+            run["peak_vs_ddp"] = run["peak_mib"] / runs["ddp"]["peak_mib"]
         result["targets"] = {s: runs[s]["peak_vs_ddp"] <= SHARDED_TARGET for s in ("fsdp", "zero3") if s in runs}
     result["plan_within_target"] = {s: abs(r["plan_peak_error"]) <= PLAN_TARGET for s, r in runs.items()}
     result["plan_model_state_within_10pct"] = {s: abs(r["plan_model_state_error"]) <= 0.1 for s, r in runs.items()}

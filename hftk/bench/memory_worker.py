@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         if "--memory_out" not in argv or argv.index("--memory_out") + 1 >= len(argv):
             raise HftkError("--memory_out", "is required.", "pass --memory_out FILE.json.")
         i = argv.index("--memory_out")
-        out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
-        prepared = prepare(argv)
+        out, prepared = Path(argv[i + 1]), prepare(argv[:i] + argv[i + 2:])
         if prepared.cfg.args.max_steps < COUNTED_STEP:
             raise HftkError("training.max_steps", f"the probe counts optimizer step {COUNTED_STEP} (the first creates "
                             "the optimizer state).", f"pass --max_steps {COUNTED_STEP} or more.")

@@ -61,10 +61,9 @@ def _load(values: list[float]) -> str:
 
 
 def markdown_table(table: dict[str, Any]) -> list[str]:
-    out = [f"**{table['title']}**", "", "| " + " | ".join(table["columns"]) + " |",
-           "|" + "---|" * len(table["columns"])]
-    out += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in table["rows"]]
-    return [*out, ""]
+    columns = table["columns"]
+    return [f"**{table['title']}**", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in table["rows"]), ""]
 
 
 def scalar_table(result: dict[str, Any]) -> dict[str, Any]:

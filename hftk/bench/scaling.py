@@ -33,8 +33,7 @@ OPTION_HELP = {
 def default_nprocs() -> list[int]:
     """1, 2, 4, ... up to the machine's processes (and that count itself)."""
     top = max_processes()
-    counts = [2**i for i in range(top.bit_length())]
-    return counts if counts[-1] == top else [*counts, top]
+    return sorted({2**i for i in range(top.bit_length())} | {top})
 
 
 def check_options(nprocs: list[int] | None = None, strategy: str = "ddp", repeats: int = 3, steps: int = 20,

@@ -110,8 +110,7 @@ def run_hand_loop(argv: list[str]) -> dict[str, Any]:
     torch.manual_seed(t["seed"])
     with accelerator.main_process_first():
         data = tokenize_and_pack(cfg.data, prepared.raw, load_tokenizer(cfg.model), prepared.data_format, t["seed"])
-    model = load_model(cfg.model)
-    model.train()
+    model = load_model(cfg.model).train()
     loader = DataLoader(data.train, batch_size=t["per_device_train_batch_size"], shuffle=True,
                         collate_fn=default_data_collator, drop_last=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t["learning_rate"], weight_decay=cfg.args.weight_decay,
