@@ -151,8 +151,7 @@ def analyse(ranks: list[dict[str, Any]], nproc: int, block_size: int, warmup: in
     fitting = [t for t in trials if t["kind"] == "search" and t["fits"]]
     if not fitting:
         raise RuntimeError("not even micro-batch 1 fits the memory budget: raise --budget_gb")
-    per_rank = global_batch // nproc
-    pairs = [t for t in trials if t["fits"] and t["micro_batch"] * t["accumulation"] == per_rank]
+    pairs = [t for t in trials if t["fits"] and t["micro_batch"] * t["accumulation"] * nproc == global_batch]
     best = max(pairs, key=lambda t: t["samples_per_s"])
     return {"trials": trials, "largest_micro_batch": max(t["micro_batch"] for t in fitting),
             "peak_mem_gb_at_largest": max(fitting, key=lambda t: t["micro_batch"])["peak_mem_gb"],

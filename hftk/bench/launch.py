@@ -43,9 +43,8 @@ class Machine:
 
     @classmethod
     def here(cls) -> Machine:
-        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-        return cls(device=device, device_count=torch.cuda.device_count(), cpu_count=os.cpu_count() or 1,
-                   torch=torch.__version__)
+        return cls(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                   device_count=torch.cuda.device_count(), cpu_count=os.cpu_count() or 1, torch=torch.__version__)
 
 
 def max_processes() -> int:

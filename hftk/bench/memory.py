@@ -123,9 +123,8 @@ def check_options(strategies: tuple[str, ...] = PLAN_STRATEGIES, nproc: int = 2,
     """Bad input fails before any launch: unknown strategies, a TP x FSDP row without room for both."""
     from hftk import strategies as known
 
-    for name in strategies:
-        if name not in MESH_ROWS:
-            known.get(name)
+    for name in [s for s in strategies if s not in MESH_ROWS]:
+        known.get(name)
     if "tp_fsdp" in strategies and (nproc < 4 or nproc % 2):
         raise HftkError("--nproc", f"the tp_fsdp row needs an even number of ranks, 4 or more (got {nproc}).",
                         "pass --nproc 4, or leave tp_fsdp out.")

@@ -73,11 +73,10 @@ def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank = dist.get_rank()
+    rank, pp = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    pp = dist.get_world_size()
     topo = pipeline.topology(pp, device)
     model = model_from(spec).to(device)
     configs, records = [], []
