@@ -209,4 +209,3 @@ def bench_command(argv: list[str]) -> int:
             module = sys.modules[bench_function(bench).__module__]
             getattr(module, "check_options", lambda **_: None)(**plan[bench])
     return run_benches(out, plan, train_args, "hftk bench " + " ".join(argv))
-

@@ -31,6 +31,7 @@ from transformers import TrainerCallback
 
 from hftk.comm.collectives import gather_objects
 
+
 class StepClock(TrainerCallback):
     """Wall and CPU time of each optimizer step, end to end (data loading and waits included). As a
     Trainer callback it restarts at train begin, ticks at each step end and takes losses and peaks from the logs."""
