@@ -1,12 +1,10 @@
-"""``hftk bench``: measure what distribution buys (scaling, batch, overhead, memory, comm, pipeline).
+"""``hftk bench``: measure what distribution buys (scaling, batch, overhead, memory, comm, pipeline, data).
 
-Every sub-bench lives in its own module ``hftk/bench/<name>.py`` and exposes
-
-    run_<name>_bench(out_dir: Path, **options) -> dict
-
-It launches its own worker processes (under a timeout), writes raw files and its PNG charts
-(matplotlib, Agg backend) under ``out_dir`` (the report gives each bench its own subfolder), and
-returns a JSON-ready dict of *measured* figures. Two optional keys are read by the report:
+Every sub-bench lives in its own module ``hftk/bench/<name>.py`` and exposes ``run_<name>_bench(out_dir:
+Path, **options) -> dict``: it launches its own worker processes (under a timeout), writes raw files and
+its PNG charts (matplotlib, Agg backend) under ``out_dir`` (the report gives each bench its own subfolder),
+and returns a JSON-ready dict of *measured* figures. Two optional keys are read by the report
+(:func:`hftk.bench.charts.finish` adds both):
 
 - ``"table"``: ``{"title": str, "columns": [str, ...], "rows": [[cell, ...], ...]}`` shown in the
   markdown summary;

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hftk.bench.charts import figure, save
+from hftk.bench.charts import figure, finish, save
 from hftk.bench.launch import (BENCH_TRAIN_ARGS, DEFAULT_MODEL, max_processes, run_workers,
                                threads_per_rank)
 from hftk.bench.stats import median_of, timed_steps
@@ -33,23 +33,13 @@ CPU_DEFAULT_BUDGET_GB = 1.0
 OPTION_HELP = {
     "strategies": "comma-separated strategies to search (hftk train --strategy values)",
     "nproc": "processes (default: one per GPU, or per core on CPU)",
-    "model": "model to train (hftk train --model_name_or_path)",
-    "block_size": "tokens per sequence",
     "budget_gb": f"peak memory allowed per rank (default: the device's; {CPU_DEFAULT_BUDGET_GB} GB on CPU)",
     "max_micro_batch": "largest micro-batch the search tries",
     "global_batch": "sequences per optimizer step that every accumulation pair reaches",
-    "learning_rate": "constant learning rate",
     "warmup": "untimed steps per trial",
     "steps": "timed steps per trial",
     "timeout": "seconds before the launch is killed",
 }
-
-
-def default_budget_gb() -> float:
-    """The device's memory on GPU; a small fixed budget on CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory / GB
-    return CPU_DEFAULT_BUDGET_GB
 
 
 def check_options(strategies: list[str] | None = None, nproc: int | None = None, global_batch: int = 32,
@@ -76,17 +66,11 @@ def plan_trials(nproc: int, global_batch: int, max_micro_batch: int, work: Path)
     if per_rank not in search:
         trials.append({"kind": "pair", "micro_batch": per_rank, "accumulation": 1})
     trials += [{"kind": "pair", "micro_batch": b, "accumulation": per_rank // b} for b in sorted(pairs, reverse=True)]
-    for i, trial in enumerate(trials):
-        trial["output_dir"] = str(work / f"trial{i}")
-    return trials
+    return [{**trial, "output_dir": str(work / f"trial{i}")} for i, trial in enumerate(trials)]
 
 
 def _powers_of_two(limit: int) -> list[int]:
-    out, b = [], 1
-    while b <= limit:
-        out.append(b)
-        b *= 2
-    return out
+    return [2**i for i in range(limit.bit_length())]  # 1, 2, 4, ... up to limit
 
 
 def run_batch_bench(out_dir: Path, strategies: list[str] | None = None, nproc: int | None = None,
@@ -97,7 +81,9 @@ def run_batch_bench(out_dir: Path, strategies: list[str] | None = None, nproc: i
     out_dir = Path(out_dir)
     strategies = strategies or ["ddp"]
     nproc = nproc or max_processes()
-    budget_gb = budget_gb or default_budget_gb()
+    if not budget_gb:  # the device's memory on GPU
+        cuda = torch.cuda.is_available()
+        budget_gb = torch.cuda.get_device_properties(0).total_memory / GB if cuda else CPU_DEFAULT_BUDGET_GB
     threads = threads_per_rank(nproc)
     argv = [*BENCH_TRAIN_ARGS, "--model_name_or_path", model, "--block_size", str(block_size),
             "--learning_rate", str(learning_rate), "--max_steps", str(warmup + steps), *(train_args or [])]
@@ -105,21 +91,18 @@ def run_batch_bench(out_dir: Path, strategies: list[str] | None = None, nproc: i
     per_strategy = {}
     for strategy in strategies:
         work = out_dir / strategy
-        trials = plan_trials(nproc, global_batch, max_micro_batch, work)
         spec = {"mode": "batch", "argv": [*argv, "--strategy", strategy], "budget_bytes": budget_gb * GB}
-        ranks, loadavg = run_trials(nproc, spec, trials, work, timeout, threads)
-        per_strategy[strategy] = analyse(ranks, nproc, block_size, warmup, global_batch)
-        per_strategy[strategy].update(loadavg_before=loadavg[0], loadavg_after=loadavg[1])
+        ranks, loadavg = run_trials(nproc, spec, plan_trials(nproc, global_batch, max_micro_batch, work), work,
+                                    timeout, threads)
+        per_strategy[strategy] = {**analyse(ranks, nproc, block_size, warmup, global_batch), **loadavg}
     result: dict[str, Any] = {"model": model, "nproc": nproc, "block_size": block_size, "budget_gb": budget_gb,
                               "global_batch": global_batch, "max_micro_batch_tried": max_micro_batch,
                               "timed_steps": steps, "threads_per_rank": threads, "strategies": per_strategy}
-    result["table"] = table(result)
-    result["charts"] = [chart(result, out_dir / "batch.png")]
-    return result
+    return finish(result, table, chart, out_dir / "batch.png")
 
 
 def run_trials(nproc: int, spec: dict[str, Any], trials: list[dict[str, Any]], work: Path, timeout: float,
-               threads: int) -> tuple[list[dict[str, Any]], tuple[list[float], list[float]]]:
+               threads: int) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     """Every rank's trial records, over as many launches as out-of-memory trials end; and the load
     average before the first launch and after the last."""
     records: list[list[dict[str, Any]]] = [[] for _ in range(nproc)]
@@ -150,7 +133,7 @@ def run_trials(nproc: int, spec: dict[str, Any], trials: list[dict[str, Any]], w
             for rank, launched in zip(records, launch.ranks):
                 rank += launched["trials"]
         break
-    return [{"trials": rank} for rank in records], (before, list(os.getloadavg()))
+    return [{"trials": rank} for rank in records], {"loadavg_before": before, "loadavg_after": list(os.getloadavg())}
 
 
 def analyse(ranks: list[dict[str, Any]], nproc: int, block_size: int, warmup: int, global_batch: int) -> dict[str, Any]:
@@ -161,21 +144,18 @@ def analyse(ranks: list[dict[str, Any]], nproc: int, block_size: int, warmup: in
         peak = record.pop("peak_mem_bytes")
         record["peak_mem_gb"] = None if peak is None else peak / GB  # None: out of memory, nothing measured
         if not trial["oom"]:
-            timed = timed_steps([r["trials"][i] for r in ranks], warmup)
-            samples = trial["micro_batch"] * trial["accumulation"] * nproc
-            record["samples_per_s"] = samples / median_of(timed, "wall_s")
+            step_time = median_of(timed_steps([r["trials"][i] for r in ranks], warmup), "wall_s")
+            record["samples_per_s"] = trial["micro_batch"] * trial["accumulation"] * nproc / step_time
             record["tokens_per_s"] = record["samples_per_s"] * block_size
         trials.append(record)
     fitting = [t for t in trials if t["kind"] == "search" and t["fits"]]
     if not fitting:
         raise RuntimeError("not even micro-batch 1 fits the memory budget: raise --budget_gb")
-    per_rank = global_batch // nproc
-    pairs = [t for t in trials if t["fits"] and t["micro_batch"] * t["accumulation"] == per_rank]
+    pairs = [t for t in trials if t["fits"] and t["micro_batch"] * t["accumulation"] * nproc == global_batch]
     best = max(pairs, key=lambda t: t["samples_per_s"])
     return {"trials": trials, "largest_micro_batch": max(t["micro_batch"] for t in fitting),
             "peak_mem_gb_at_largest": max(fitting, key=lambda t: t["micro_batch"])["peak_mem_gb"],
-            "best_pair": {"micro_batch": best["micro_batch"], "accumulation": best["accumulation"],
-                          "samples_per_s": best["samples_per_s"]},
+            "best_pair": {k: best[k] for k in ("micro_batch", "accumulation", "samples_per_s")},
             "budget_hit": any(t["kind"] == "search" and not t["fits"] for t in trials)}
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import matplotlib
 
@@ -25,16 +25,26 @@ def save(fig: Any, path: Path) -> str:
     return path.name
 
 
+def finish(result: dict[str, Any], table: Callable[[dict[str, Any]], dict[str, Any]],
+           chart: Callable[[dict[str, Any], Path], str], path: Path) -> dict[str, Any]:
+    """A bench's result with the ``table`` and ``charts`` the report shows (:mod:`hftk.bench`)."""
+    result["table"] = table(result)
+    result["charts"] = [chart(result, path)]
+    return result
+
+
+def whiskers(spreads: list[dict[str, float]]) -> tuple[list[float], list[list[float]]]:
+    """Medians and their distances down to the min and up to the max (matplotlib's asymmetric ``yerr``)."""
+    return ([s["median"] for s in spreads],
+            [[s["median"] - s["min"] for s in spreads], [s["max"] - s["median"] for s in spreads]])
+
+
 def errorbar(ax: Any, xs: list[float], spreads: list[dict[str, float]], label: str, **kw: Any) -> None:
     """Medians with min-max whiskers."""
-    med = [s["median"] for s in spreads]
-    low = [s["median"] - s["min"] for s in spreads]
-    high = [s["max"] - s["median"] for s in spreads]
-    ax.errorbar(xs, med, yerr=[low, high], marker="o", capsize=4, label=label, **kw)
+    med, err = whiskers(spreads)
+    ax.errorbar(xs, med, yerr=err, label=label, **{"marker": "o", "capsize": 4, **kw})
 
 
 def fmt_spread(s: dict[str, float] | None, digits: int = 1) -> str:
     """``median [min-max]`` for a table cell."""
-    if s is None:
-        return "-"
-    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+    return "-" if s is None else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"

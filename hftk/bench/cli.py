@@ -30,6 +30,10 @@ ALL_DEFAULTS: dict[str, dict[str, Any]] = {
     "batch": {"max_micro_batch": 32, "global_batch": 32},
     "data": {"examples": 300},
 }
+# Help of the options several benches share; a bench's OPTION_HELP adds its own (and may reword these).
+COMMON_HELP = {"model": "model to train (hftk train --model_name_or_path)", "block_size": "tokens per sequence",
+               "learning_rate": "constant learning rate", "micro_batch": "sequences per rank per step",
+               "timeout": "seconds before a launch is killed"}
 
 
 def bench_function(name: str) -> Callable[..., dict[str, Any]]:
@@ -45,8 +49,7 @@ def bench_function(name: str) -> Callable[..., dict[str, Any]]:
 
 
 def available() -> list[str]:
-    here = Path(__file__).parent
-    return [b for b in BENCHES if (here / f"{b}.py").exists()]
+    return [b for b in BENCHES if (Path(__file__).parent / f"{b}.py").exists()]
 
 
 def options(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
@@ -77,31 +80,29 @@ def _literal(text: str) -> Any:
         return text
 
 
-def split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1:]
-    return argv, []
-
-
 def default_out(name: str) -> Path:
     return Path("outputs") / "bench" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def parse_single(name: str, argv: list[str]) -> tuple[Path, dict[str, Any]]:
     fn = bench_function(name)
-    parser = argparse.ArgumentParser(prog=f"hftk bench {name}", description=(fn.__doc__ or "").strip(),
-                                     epilog="Options after -- go to every training run (hftk train options).",
-                                     exit_on_error=False)
-    parser.add_argument("--out", type=Path, default=None, help="Report folder (default outputs/bench/NAME-TIME).")
-    helps = getattr(sys.modules[fn.__module__], "OPTION_HELP", {})
+    parser = _parser(name, (fn.__doc__ or "").strip(), "NAME")
+    helps = {**COMMON_HELP, **getattr(sys.modules[fn.__module__], "OPTION_HELP", {})}
     for key, param in options(fn).items():
         flag = {"nargs": "?", "const": True} if str(param.annotation).startswith("bool") else {}  # bare --flag: true
         parser.add_argument(f"--{key}", type=converter(param), default=param.default, **flag,
                             help=helps.get(key, key) + ("" if param.default is None else f" (default: {param.default})"))
-    ns = _parse(parser, argv)
-    kwargs = vars(ns)
+    kwargs = vars(_parse(parser, argv))
     return kwargs.pop("out") or default_out(name), kwargs
+
+
+def _parser(name: str, description: str, out_name: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"hftk bench {name}", description=description,
+                                     epilog="Options after -- go to every training run (hftk train options).",
+                                     exit_on_error=False)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"Report folder (default outputs/bench/{out_name}-TIME).")
+    return parser
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -116,10 +117,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 
 
 def parse_all(argv: list[str]) -> tuple[Path, dict[str, dict[str, Any]]]:
-    parser = argparse.ArgumentParser(prog="hftk bench all", description="Run every bench into one report folder.",
-                                     epilog="Options after -- go to every training run (hftk train options).",
-                                     exit_on_error=False)
-    parser.add_argument("--out", type=Path, default=None, help="Report folder (default outputs/bench/all-TIME).")
+    parser = _parser("all", "Run every bench into one report folder.", "all")
     parser.add_argument("--only", type=lambda s: s.split(","), default=list(BENCHES),
                         help=f"Comma-separated subset of {','.join(BENCHES)}.")
     for key in SHARED:
@@ -127,12 +125,10 @@ def parse_all(argv: list[str]) -> tuple[Path, dict[str, dict[str, Any]]]:
     parser.add_argument("--set", action="append", default=[], metavar="NAME.OPTION=VALUE",
                         help="One bench's option, e.g. --set scaling.repeats=5 (repeatable).")
     ns = _parse(parser, argv)
-    unknown = [b for b in ns.only if b not in BENCHES]
-    if unknown:
+    if unknown := [b for b in ns.only if b not in BENCHES]:
         raise HftkError("--only", f"unknown bench '{unknown[0]}'.", f"use names from {', '.join(BENCHES)}.")
-    per_bench: dict[str, dict[str, Any]] = {b: dict(ALL_DEFAULTS.get(b, {})) for b in ns.only}
-    for b in per_bench:
-        per_bench[b].update({k: getattr(ns, k) for k in SHARED if getattr(ns, k) is not None})
+    shared = {k: getattr(ns, k) for k in SHARED if getattr(ns, k) is not None}
+    per_bench: dict[str, dict[str, Any]] = {b: {**ALL_DEFAULTS.get(b, {}), **shared} for b in ns.only}
     for item in ns.set:
         target, _, value = item.partition("=")
         bench, _, key = target.partition(".")
@@ -180,10 +176,8 @@ def run_benches(out: Path, plan: dict[str, dict[str, Any]], train_args: list[str
             failures[name] = exc.one_line()
         except Exception:  # a bench that crashed still leaves the others' figures and a report
             failures[name] = traceback.format_exc()
-        status = "FAILED" if name in failures else "done"
-        print(f"hftk bench: {name} {status} in {time.time() - t0:.0f}s", flush=True)
-    summary = write_report(out, results, machine, started, command, failures)
-    print(f"hftk bench: report {summary}", flush=True)
+        print(f"hftk bench: {name} {'FAILED' if name in failures else 'done'} in {time.time() - t0:.0f}s", flush=True)
+    print(f"hftk bench: report {write_report(out, results, machine, started, command, failures)}", flush=True)
     for name, error in failures.items():
         print(f"hftk bench: {name} failed: {error.strip().splitlines()[-1]}", file=sys.stderr)
     return 1 if failures else 0
@@ -191,7 +185,8 @@ def run_benches(out: Path, plan: dict[str, dict[str, Any]], train_args: list[str
 
 def bench_command(argv: list[str]) -> int:
     """Entry point of ``hftk bench``: every option is checked before the first launch."""
-    own, train_args = split_train_args(argv)
+    i = argv.index("--") if "--" in argv else len(argv)
+    own, train_args = argv[:i], argv[i + 1:]
     if not own or own[0] in ("-h", "--help"):
         print(__doc__.strip())
         print(f"\nbenches: {', '.join(BENCHES)}, all (available here: {', '.join(available())})")
@@ -204,19 +199,13 @@ def bench_command(argv: list[str]) -> int:
         plan = {name: kwargs}
     else:
         raise HftkError("bench", f"unknown bench '{name}'.", f"use one of: {', '.join(BENCHES)}, all.")
-    _check_train_args(train_args)
-    for bench in available():  # an unavailable one is reported by run_benches, after the others ran
-        if bench in plan:
-            plan[bench] = resolve(bench, plan[bench])
-            check = getattr(sys.modules[bench_function(bench).__module__], "check_options", None)
-            if check:
-                check(**plan[bench])
-    return run_benches(out, plan, train_args, "hftk bench " + " ".join(argv))
-
-
-def _check_train_args(train_args: list[str]) -> None:
-    """Unknown hftk train options fail here, in one line, before any worker starts."""
-    if train_args:
+    if train_args:  # unknown hftk train options fail here, in one line, before any worker starts
         from hftk.config import load_config
 
         load_config(train_args)
+    for bench in available():  # an unavailable one is reported by run_benches, after the others ran
+        if bench in plan:
+            plan[bench] = resolve(bench, plan[bench])
+            module = sys.modules[bench_function(bench).__module__]
+            getattr(module, "check_options", lambda **_: None)(**plan[bench])
+    return run_benches(out, plan, train_args, "hftk bench " + " ".join(argv))

@@ -1,13 +1,12 @@
 """Per-rank worker of ``hftk bench comm`` (and of the compression tests): raw DDP, one hook per replica.
 
-Run under torchrun: ``python -m torch.distributed.run --nproc_per_node 2 -m hftk.bench.comm_worker
---plan plan.json --out results.json``. Each job of the plan trains one DDP replica per hook
-from the same initial weights on the same batches; with ``interleave`` the hooks take turns step
-by step (A B C A B C ...) so machine noise falls on all of them alike. Every step records the
-hook's counters (bytes, collectives, in-flight time), wall and CPU time, the exposed
-communication (hooks blocked on a collective, plus what was still in flight after the last
-bucket was handed over: what backward waited for), and, with
-``check_sync``, whether all ranks hold bitwise-identical parameters.
+Run under torchrun: ``-m hftk.bench.comm_worker --plan plan.json --out results.json``. Each job of the
+plan trains one DDP replica per hook from the same initial weights on the same batches; with
+``interleave`` the hooks take turns step by step (A B C A B C ...) so machine noise falls on all of
+them alike. Every step records the hook's counters (bytes, collectives, in-flight time), wall and CPU
+time, the exposed communication (hooks blocked on a collective, plus what was still in flight after
+the last bucket was handed over: what backward waited for), and, with ``check_sync``, whether all
+ranks hold bitwise-identical parameters.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ def corpus_blocks(tokenizer: Any, block_size: int) -> torch.Tensor:
 def batch_for(blocks: torch.Tensor, step: int, rank: int, world: int, batch: int) -> torch.Tensor:
     """Rank ``rank``'s slice of step ``step``'s global batch (wrapping around the corpus)."""
     start = (step * world + rank) * batch
-    idx = torch.arange(start, start + batch) % blocks.shape[0]
-    return blocks[idx]
+    return blocks[torch.arange(start, start + batch) % blocks.shape[0]]
 
 
 @dataclasses.dataclass
@@ -66,17 +64,13 @@ class Replica:
 
 
 def make_replica(base: Any, hook: str, job: dict[str, Any], device: torch.device) -> Replica:
-    model = copy.deepcopy(base).to(device)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=job["bucket_cap_mb"])
+    ddp = DistributedDataParallel(copy.deepcopy(base).to(device), bucket_cap_mb=job["bucket_cap_mb"])
     cfg = StrategyConfig(grad_compression=hook, powersgd_rank=job["powersgd_rank"],
                          powersgd_warmup_steps=job["powersgd_warmup_steps"], topk_ratio=job["topk_ratio"],
-                         topk_warmup_steps=job["topk_warmup_steps"],
-                         hierarchical_allreduce=job["hierarchical"])
+                         topk_warmup_steps=job["topk_warmup_steps"], hierarchical_allreduce=job["hierarchical"])
     state = register_compression(ddp, cfg)
-    if job["optimizer"] == "adamw":
-        optimizer: Any = torch.optim.AdamW(ddp.parameters(), lr=job["lr"])
-    else:
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=job["lr"], momentum=0.9)
+    optimizer = (torch.optim.AdamW(ddp.parameters(), lr=job["lr"]) if job["optimizer"] == "adamw"
+                 else torch.optim.SGD(ddp.parameters(), lr=job["lr"], momentum=0.9))
     return Replica(hook=hook, ddp=ddp, optimizer=optimizer, state=state)
 
 
@@ -95,16 +89,14 @@ def train_step(replica: Replica, batch: torch.Tensor, max_grad_norm: float, chec
     if stats.arrival_timed:  # NCCL's intervals time enqueueing: no exposed-communication figure from them
         record["exposed_comm_s"] = exposed + counters["comm_wait_s"]
     if check_sync:
-        digests = gather_objects(parameter_digest(replica.ddp.module))
-        record["in_sync"] = len(set(digests)) == 1
+        record["in_sync"] = len(set(gather_objects(parameter_digest(replica.ddp.module)))) == 1
     replica.records.append(record)
 
 
 @torch.no_grad()
 def eval_loss(replica: Replica, blocks: torch.Tensor, batch: int) -> float:
     """Mean loss over the held-out blocks (identical on every rank: the replicas are)."""
-    model = replica.ddp.module
-    losses = [model(input_ids=blocks[i:i + batch], labels=blocks[i:i + batch]).loss.item()
+    losses = [replica.ddp.module(input_ids=blocks[i:i + batch], labels=blocks[i:i + batch]).loss.item()
               for i in range(0, blocks.shape[0], batch)]
     return sum(losses) / len(losses)
 

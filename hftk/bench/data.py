@@ -29,8 +29,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from hftk.bench.charts import figure, save
+from hftk.bench.charts import figure, finish, save
 from hftk.bench.launch import BENCH_TRAIN_ARGS, DEFAULT_MODEL, run_workers, threads_per_rank
+from hftk.errors import HftkError
 
 MODES = {"concat": ["--packing", "concat"], "bfd": ["--packing", "bfd"], "none": ["--packing", "none"],
          "pad-to-block": ["--packing", "none", "--pad_to_multiple_of", "{block_size}"]}
@@ -38,20 +39,15 @@ PACKED = ("concat", "bfd")  # several examples per row: micro_batch rows; the ot
 
 OPTION_HELP = {
     "nproc": "DDP processes of every run",
-    "model": "model to train (hftk train --model_name_or_path)",
     "block_size": "tokens per block (bfd / concat) and the pad-to-block length",
     "micro_batch": "packed rows per rank per step (concat, bfd); the padded modes take as many rows as give bfd's step count",
     "examples": "prompt / completion pairs the bench writes (a tenth held out)",
     "min_words": "shortest example, in corpus words",
     "max_words": "longest example, in corpus words (>= 10x min_words)",
-    "learning_rate": "constant learning rate",
-    "timeout": "seconds before a launch is killed",
 }
 
 
 def check_options(min_words: int, max_words: int, **_: Any) -> None:
-    from hftk.errors import HftkError
-
     if max_words < 10 * min_words:
         raise HftkError("--max_words", f"{max_words} is less than 10x min_words ({min_words}).",
                         "spread the lengths at least 10x (what the bench is about).")
@@ -72,8 +68,7 @@ def write_examples(path: Path, n: int, min_words: int, max_words: int, seed: int
                      "completion": " " + " ".join(words[start + cut:start + length])})
         lengths.append(length)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"examples": n, "words_min": min(lengths), "words_max": max(lengths),
-            "words_mean": sum(lengths) / n}
+    return {"examples": n, "words_min": min(lengths), "words_max": max(lengths), "words_mean": sum(lengths) / n}
 
 
 def run_data_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, block_size: int = 256,
@@ -109,9 +104,7 @@ def run_data_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, bl
         "bfd_vs_pad_to_block": runs["bfd"]["useful_tokens_per_s"] / runs["pad-to-block"]["useful_tokens_per_s"],
         "bfd_eval_loss_vs_pad_to_block": runs["bfd"]["eval_loss"] / runs["pad-to-block"]["eval_loss"] - 1,
     }
-    result["table"] = table(result)
-    result["charts"] = [chart(result, out_dir / "data.png")]
-    return result
+    return finish(result, table, chart, out_dir / "data.png")
 
 
 def padded_rows_per_rank(bfd: dict[str, Any], nproc: int, micro_batch: int) -> int:
@@ -163,10 +156,9 @@ def table(result: dict[str, Any]) -> dict[str, Any]:
 def chart(result: dict[str, Any], path: Path) -> str:
     modes = list(result["modes"])
     fig, (speed, pad, loss) = figure(3, f"Packing modes ({result['nproc']} ranks, block {result['block_size']})")
-    colours = ["tab:gray", "tab:green", "tab:blue", "tab:red"]
     for ax, key, label in ((speed, "useful_tokens_per_s", "useful (label) tokens / s"),
                            (pad, "padding_share", "padding share of compute"), (loss, "eval_loss", "held-out loss")):
-        ax.bar(modes, [result["modes"][m][key] for m in modes], color=colours)
+        ax.bar(modes, [result["modes"][m][key] for m in modes], color=["tab:gray", "tab:green", "tab:blue", "tab:red"])
         ax.set(ylabel=label)
         ax.tick_params(axis="x", labelrotation=20)
     return save(fig, path)

@@ -43,10 +43,8 @@ class Machine:
 
     @classmethod
     def here(cls) -> Machine:
-        cuda = torch.cuda.is_available()
-        device = torch.cuda.get_device_name(0) if cuda else "cpu"
-        return cls(device=device, device_count=torch.cuda.device_count() if cuda else 0,
-                   cpu_count=os.cpu_count() or 1, torch=torch.__version__)
+        return cls(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                   device_count=torch.cuda.device_count(), cpu_count=os.cpu_count() or 1, torch=torch.__version__)
 
 
 def max_processes() -> int:
@@ -82,21 +80,19 @@ class LaunchResult:
 
 
 def torchrun_module(nproc: int, module: str, args: list[str], work_dir: Path, timeout: float, threads: int,
-                    env: dict[str, str] | None = None, done: Callable[[], bool] | None = None) -> float:
-    """``python -m torch.distributed.run ... -m MODULE ARGS`` on loopback, logged to ``work_dir/log.txt``.
-
-    Returns the wall time; raises RuntimeError with the log's tail on failure or after ``timeout``.
-    ``done`` says whether every rank has written its results: a launch that then fails to exit
-    (a hung teardown) is killed after a grace period instead of costing the whole timeout.
-    """
+                    env: dict[str, str] | None = None, done: Callable[[], bool] | None = None) -> LaunchResult:
+    """``python -m torch.distributed.run ... -m MODULE ARGS`` on loopback, logged to ``work_dir/log.txt``: its
+    wall time and the load average around it (no ranks). Raises RuntimeError with the log's tail on failure or
+    after ``timeout``. ``done`` says whether every rank has written its results: a launch that then fails to
+    exit (a hung teardown) is killed after a grace period instead of costing the whole timeout."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    cmd = torchrun_command(nproc, "-m", module, *args)
     full_env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONUNBUFFERED": "1", **(env or {})}
     log_path = work_dir / "log.txt"
-    start = time.perf_counter()
+    before, start = list(os.getloadavg()), time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        proc = subprocess.Popen(torchrun_command(nproc, "-m", module, *args), stdout=log, stderr=subprocess.STDOUT,
+                                env=full_env, start_new_session=True)
         code = _wait(proc, timeout, done)
     if code is None:
         raise RuntimeError(f"bench launch timed out after {timeout:.0f}s ({work_dir}):\n{_tail(log_path)}")
@@ -108,7 +104,7 @@ def torchrun_module(nproc: int, module: str, args: list[str], work_dir: Path, ti
               f"results kept ({work_dir}/log.txt)", flush=True)
     elif code != 0:
         raise RuntimeError(f"bench launch failed with exit code {code} ({work_dir}):\n{_tail(log_path)}")
-    return time.perf_counter() - start
+    return LaunchResult([], time.perf_counter() - start, before, list(os.getloadavg()))
 
 
 HUNG_AFTER_RESULTS = -999
@@ -134,18 +130,16 @@ def _wait(proc: subprocess.Popen, timeout: float, done: Callable[[], bool] | Non
 
 
 def run_workers(nproc: int, spec: dict[str, Any], work_dir: Path, timeout: float, threads: int,
-                env: dict[str, str] | None = None) -> LaunchResult:
-    """Run :mod:`hftk.bench.worker` on ``nproc`` ranks with ``spec``; return every rank's JSON."""
+                env: dict[str, str] | None = None, module: str = "hftk.bench.worker") -> LaunchResult:
+    """Run ``module`` (:mod:`hftk.bench.worker` by default) on ``nproc`` ranks with ``spec`` (as a
+    ``spec.json`` path); every rank writes ``rank{R}.json`` into ``spec["out"]``: return them all."""
+    spec_path, files = work_dir / "spec.json", [work_dir / "ranks" / f"rank{r}.json" for r in range(nproc)]
     work_dir.mkdir(parents=True, exist_ok=True)
-    spec = {**spec, "out": str(work_dir / "ranks")}
-    spec_path = work_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec, indent=1))
-    before = list(os.getloadavg())
-    files = [work_dir / "ranks" / f"rank{r}.json" for r in range(nproc)]
-    wall = torchrun_module(nproc, "hftk.bench.worker", [str(spec_path)], work_dir, timeout, threads, env,
-                           done=lambda: all(f.exists() for f in files))
-    ranks = [json.loads(f.read_text()) for f in files]
-    return LaunchResult(ranks=ranks, wall_s=wall, loadavg_before=before, loadavg_after=list(os.getloadavg()))
+    spec_path.write_text(json.dumps({**spec, "out": str(work_dir / "ranks")}, indent=1))
+    launch = torchrun_module(nproc, module, [str(spec_path)], work_dir, timeout, threads, env,
+                             done=lambda: all(f.exists() for f in files))
+    launch.ranks = [json.loads(f.read_text()) for f in files]
+    return launch
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -4,12 +4,10 @@ how close the memory plan (:mod:`hftk.plan`) came.
 Every strategy trains the same model for a few steps through hftk's own engine
 (:mod:`hftk.bench.memory_worker`), one launch after another. Like every hftk run the workers tell
 glibc to hand freed memory back (:mod:`hftk.allocator`): with its defaults glibc keeps 0.9-1.2 GiB
-of freed heap resident and RSS hides what sharding saves (field notes). Per rank:
-
-- peak: the training phase's peak, VmHWM reset at train begin on CPU (the allocator's peak on
-  GPU); loading and imports come before it and are reported as ``lifetime_peak_mib``;
-- counted model state: bytes of parameters, gradients and optimizer state at the optimizer step;
-- the plan's prediction of both for the same model, batch and world size.
+of freed heap resident and RSS hides what sharding saves (field notes). Per rank: the training
+phase's peak and the counted bytes of parameters, gradients and optimizer state (how:
+:mod:`hftk.bench.memory_worker`; loading and imports come before the peak, as ``lifetime_peak_mib``),
+beside the plan's prediction of both for the same model, batch and world size.
 
 With ``--lora_r R`` every strategy also runs with LoRA adapters of rank R, and with ``--load_in_4bit``
 on a 4-bit (QLoRA) base too, as rows ``STRATEGY lora`` / ``STRATEGY qlora`` beside full fine-tuning.
@@ -22,9 +20,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hftk.bench.charts import figure, save
 from hftk import allocator
-from hftk.bench.launch import BENCH_TRAIN_ARGS, torchrun_module, threads_per_rank
+from hftk.bench.charts import figure, finish, save
+from hftk.bench.launch import BENCH_TRAIN_ARGS, threads_per_rank, torchrun_module
+from hftk.bench.report import markdown_table
+from hftk.errors import HftkError
 from hftk.plan import MIB, PLAN_STRATEGIES, StrategyPlan
 
 DEFAULT_MODEL = "builtin:gpt2-90m"
@@ -40,13 +40,9 @@ MESH_ROWS = {
 
 OPTION_HELP = {
     "nproc": "processes (ranks) of every run",
-    "model": "model to train (hftk train --model_name_or_path)",
-    "block_size": "tokens per sequence",
-    "micro_batch": "sequences per rank per step",
     "steps": "optimizer steps per run (the second is counted)",
     "strategies": "comma-separated strategies, run in this order (also tp: TP over all ranks; tp_fsdp: TP=2 x "
                   "FSDP2 over the rest, 4 ranks or more; cp: ring-attention context parallel over all ranks)",
-    "timeout": "seconds before a launch is killed",
     "lora_r": "also run every strategy with LoRA adapters of this rank (row 'STRATEGY lora'; 0: full fine-tuning only)",
     "load_in_4bit": "with lora_r: also run every strategy on a 4-bit (nf4, double-quantized) base (row 'STRATEGY qlora')",
 }
@@ -79,25 +75,23 @@ def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, 
         for strategy in strategies:
             work = out_dir / (strategy + suffix.replace(" ", "_"))
             record = work / "memory.json"
-            wall = torchrun_module(nproc, "hftk.bench.memory_worker",
-                                   [*argv, *extra, *strategy_args(strategy, nproc), "--output_dir", str(work / "run"),
-                                    "--memory_out", str(record)],
-                                   work, timeout, threads_per_rank(nproc))
-            runs[strategy + suffix] = summarise(json.loads(record.read_text()), predictions[strategy], wall)
+            layout = MESH_ROWS[strategy](nproc) if strategy in MESH_ROWS else ["--strategy", strategy]
+            launch = torchrun_module(nproc, "hftk.bench.memory_worker",
+                                     [*argv, *extra, *layout, "--output_dir", str(work / "run"), "--memory_out",
+                                      str(record)], work, timeout, threads_per_rank(nproc))
+            runs[strategy + suffix] = summarise(json.loads(record.read_text()), predictions[strategy], launch.wall_s)
     result: dict[str, Any] = {
         "model": model, "nproc": nproc, "block_size": block_size, "micro_batch": micro_batch, "steps": steps,
         "allocator": allocator.effective(), "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
         "strategies": runs,
     }
     if "ddp" in runs:
-        ddp = runs["ddp"]["peak_mib"]
         for run in runs.values():
-            run["peak_vs_ddp"] = run["peak_mib"] / ddp
+            run["peak_vs_ddp"] = run["peak_mib"] / runs["ddp"]["peak_mib"]
         result["targets"] = {s: runs[s]["peak_vs_ddp"] <= SHARDED_TARGET for s in ("fsdp", "zero3") if s in runs}
     result["plan_within_target"] = {s: abs(r["plan_peak_error"]) <= PLAN_TARGET for s, r in runs.items()}
     result["plan_model_state_within_10pct"] = {s: abs(r["plan_model_state_error"]) <= 0.1 for s, r in runs.items()}
-    result["table"] = table(result)
-    result["charts"] = [chart(result, out_dir / "memory.png")]
+    finish(result, table, chart, out_dir / "memory.png")
     (out_dir / "memory.json").write_text(json.dumps(result, indent=1))
     (out_dir / "memory.md").write_text(markdown(result))
     return result
@@ -117,28 +111,20 @@ def predict(argv: list[str], nproc: int, strategies: tuple[str, ...]) -> dict[st
             for s in strategies}
 
 
-def strategy_args(name: str, nproc: int) -> list[str]:
-    return MESH_ROWS[name](nproc) if name in MESH_ROWS else ["--strategy", name]
-
-
 def estimate_mesh(name: str, model_config: Any, shape: Any, inputs: Any) -> StrategyPlan:
     from hftk.strategies.tensor import estimate_memory
     from hftk.strategies.tp_plans import replicated_params
 
-    if name == "cp":
-        return estimate_memory(shape, inputs, 1, replicated_params(model_config), cp=inputs.world_size)
-    tp = inputs.world_size if name == "tp" else 2
-    return estimate_memory(shape, inputs, tp, replicated_params(model_config))
+    tp, cp = {"cp": (1, inputs.world_size), "tp": (inputs.world_size, 1)}.get(name, (2, 1))  # else tp_fsdp
+    return estimate_memory(shape, inputs, tp, replicated_params(model_config), cp=cp)
 
 
 def check_options(strategies: tuple[str, ...] = PLAN_STRATEGIES, nproc: int = 2, **_: Any) -> None:
     """Bad input fails before any launch: unknown strategies, a TP x FSDP row without room for both."""
     from hftk import strategies as known
-    from hftk.errors import HftkError
 
-    for name in strategies:
-        if name not in MESH_ROWS:
-            known.get(name)
+    for name in [s for s in strategies if s not in MESH_ROWS]:
+        known.get(name)
     if "tp_fsdp" in strategies and (nproc < 4 or nproc % 2):
         raise HftkError("--nproc", f"the tp_fsdp row needs an even number of ranks, 4 or more (got {nproc}).",
                         "pass --nproc 4, or leave tp_fsdp out.")
@@ -161,19 +147,18 @@ def summarise(record: dict[str, Any], plan: StrategyPlan, wall_s: float) -> dict
 
 
 def table(result: dict[str, Any]) -> dict[str, Any]:
-    runs = result["strategies"]
-    columns = ["strategy", "peak MiB (max rank)", "x ddp", "model state MiB", "params / grads / optim MiB",
-               "plan model state MiB", "plan model state error", "plan peak MiB", "plan peak error"]
     rows = []
-    for name, r in runs.items():
+    for name, r in result["strategies"].items():
         c = r["counted"]
         rows.append([name, f"{r['peak_mib']:.0f}", f"{r['peak_vs_ddp']:.3f}" if "peak_vs_ddp" in r else "-",
                      f"{r['model_state_mib']:.1f}", f"{c['params']:.1f} / {c['grads']:.1f} / {c['optimizer']:.1f}",
                      f"{r['plan_model_state_mib']:.1f}", f"{r['plan_model_state_error']:+.1%}", f"{r['plan_peak_mib']:.0f}",
                      f"{r['plan_peak_error']:+.0%}"])
-    title = (f"per-rank memory, {result['model']}, {result['nproc']} ranks, micro-batch {result['micro_batch']} x "
-             f"{result['block_size']} tokens, training-phase peak (malloc tuned)")
-    return {"title": title, "columns": columns, "rows": rows}
+    return {"title": f"per-rank memory, {result['model']}, {result['nproc']} ranks, micro-batch "
+                     f"{result['micro_batch']} x {result['block_size']} tokens, training-phase peak (malloc tuned)",
+            "columns": ["strategy", "peak MiB (max rank)", "x ddp", "model state MiB", "params / grads / optim MiB",
+                        "plan model state MiB", "plan model state error", "plan peak MiB", "plan peak error"],
+            "rows": rows}
 
 
 def chart(result: dict[str, Any], path: Path) -> str:
@@ -189,17 +174,13 @@ def chart(result: dict[str, Any], path: Path) -> str:
     if "ddp" in runs:
         ax.axhline(SHARDED_TARGET * runs["ddp"]["peak_mib"], color="gray", linestyle="--", linewidth=1,
                    label=f"{SHARDED_TARGET} x ddp peak")
-    ax.set_xticks(list(xs), names)
-    ax.set_ylabel("MiB per rank")
+    ax.set(xticks=list(xs), xticklabels=names, ylabel="MiB per rank")
     ax.legend(fontsize=7)
     return save(fig, path)
 
 
 def markdown(result: dict[str, Any]) -> str:
-    t = result["table"]
-    lines = [f"**{t['title']}**", "", "| " + " | ".join(t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
-    lines += ["| " + " | ".join(row) + " |" for row in t["rows"]]
     load = ", ".join(f"{v:.1f}" for v in result["loadavg_before"])
-    lines += ["", f"Load average (1, 5, 15 min) before the runs: {load}. Allocator: "
-              + " ".join(f"{k}={v}" for k, v in result["allocator"].items()) + ".", "", "![memory](memory.png)", ""]
-    return "\n".join(lines)
+    allocated = " ".join(f"{k}={v}" for k, v in result["allocator"].items())
+    return "\n".join([*markdown_table(result["table"]), f"Load average (1, 5, 15 min) before the runs: {load}. "
+                      f"Allocator: {allocated}.", "", "![memory](memory.png)", ""])

@@ -1,12 +1,8 @@
 """Per-rank worker of ``hftk bench memory`` and of the plan-accuracy test: a short run of one
-strategy through hftk's own engine, measuring what each rank holds.
-
-Run under a launcher with the usual finetune options plus ``--memory_out FILE``::
-
-    torchrun --nproc_per_node 2 -m hftk.bench.memory_worker --strategy zero3 --max_steps 2 ... \\
-        --memory_out zero3.json
-
-Two measurements per rank:
+strategy through hftk's own engine, measuring what each rank holds. Run under a launcher with the
+usual finetune options plus ``--memory_out FILE`` (``torchrun --nproc_per_node 2 -m
+hftk.bench.memory_worker --strategy zero3 --max_steps 2 ... --memory_out zero3.json``). Two
+measurements per rank:
 
 - model state (:func:`hftk.memory.model_state_bytes`) counted inside the second optimizer step,
   after each call of the innermost torch optimizer's ``step`` (a post-hook), keeping the largest:
@@ -25,25 +21,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hftk.comm.collectives import gather_objects
+from hftk.errors import HftkError
 from hftk.memory import model_state_bytes
 from hftk.telemetry import peak_memory_bytes, reset_peak_memory
-
 
 # The first step creates the optimizer state lazily (DeepSpeed one parameter group after another);
 # from the second on, every step holds the same.
 COUNTED_STEP = 2
-
-
-def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer under accelerate's and DeepSpeed's wrappers (each keeps it as ``.optimizer``)."""
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 class MemoryProbe(TrainerCallback):
@@ -53,14 +41,16 @@ class MemoryProbe(TrainerCallback):
         self.trainer = trainer
         self.device = trainer.args.device
         self.counts: dict[str, int] = {}
-        self.lifetime_peak = 0
-        self.peak = 0
+        self.lifetime_peak = self.peak = 0
         self._hook: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.lifetime_peak = peak_memory_bytes(self.device)
         reset_peak_memory(self.device)
-        self._hook = innermost_optimizer(self.trainer.optimizer).register_step_post_hook(self._count)
+        optimizer = self.trainer.optimizer
+        while hasattr(optimizer, "optimizer"):  # the torch optimizer under accelerate's and DeepSpeed's wrappers
+            optimizer = optimizer.optimizer
+        self._hook = optimizer.register_step_post_hook(self._count)
 
     def _count(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.trainer.state.global_step != COUNTED_STEP - 1:
@@ -83,11 +73,9 @@ class MemoryProbe(TrainerCallback):
                 "lifetime_peak": self.lifetime_peak}
 
 
-
 def main(argv: list[str] | None = None) -> int:
     from hftk import strategies
     from hftk.engine.trainer import build_trainer
-    from hftk.errors import HftkError
     from hftk.run import prepare
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -95,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         if "--memory_out" not in argv or argv.index("--memory_out") + 1 >= len(argv):
             raise HftkError("--memory_out", "is required.", "pass --memory_out FILE.json.")
         i = argv.index("--memory_out")
-        out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
-        prepared = prepare(argv)
+        out, prepared = Path(argv[i + 1]), prepare(argv[:i] + argv[i + 2:])
         if prepared.cfg.args.max_steps < COUNTED_STEP:
             raise HftkError("training.max_steps", f"the probe counts optimizer step {COUNTED_STEP} (the first creates "
                             "the optimizer state).", f"pass --max_steps {COUNTED_STEP} or more.")
@@ -119,20 +106,15 @@ def measure(trainer: Any, strategy: str, out: Path) -> None:
     trainer.train()
     ranks = gather_objects(probe.result())
     if trainer.args.process_index == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"strategy": strategy, "world_size": len(ranks),
-                                   "device": "gpu" if trainer.args.device.type == "cuda" else "cpu",
-                                   "ranks": ranks}, indent=1))
+        write_record(out, strategy, trainer.args.device.type, ranks)
     if dist.is_initialized():  # leave together: a rank tearing down gloo while its peer still writes aborts
         dist.barrier()
 
 
 def loop_memory(prepared: Any, out: Path) -> int:
-    """Strategies of hftk's custom loop (no Trainer): the loop counts the same bytes itself.
-
-    It logs every rank's params / grads / optimizer bytes after its first optimizer step and the
-    training phase's peak (reset before the first step) as one ``memory`` record in metrics.jsonl.
-    """
+    """Strategies of hftk's custom loop (no Trainer): the loop counts the same bytes itself. It logs every
+    rank's params / grads / optimizer bytes after its first optimizer step and the training phase's peak
+    (reset before the first step) as one ``memory`` record in metrics.jsonl."""
     from hftk.engine import loop
     from hftk.monitor import read_jsonl
     from hftk.strategies.mesh import device_type
@@ -141,11 +123,15 @@ def loop_memory(prepared: Any, out: Path) -> int:
     loop.train(prepared)
     if int(os.environ.get("RANK", "0")) == 0:
         ranks = next(r["memory"] for r in read_jsonl(cfg.output_dir / cfg.tracking.metrics_file) if "memory" in r)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"strategy": cfg.strategy.strategy, "world_size": len(ranks),
-                                   "device": "gpu" if device_type(cfg) == "cuda" else "cpu",
-                                   "ranks": ranks}, indent=1))
+        write_record(out, cfg.strategy.strategy, device_type(cfg), ranks)
     return 0
+
+
+def write_record(out: Path, strategy: str, device_type: str, ranks: list[dict[str, int]]) -> None:
+    """What ``hftk bench memory`` reads: every rank's counts, written by rank 0."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"strategy": strategy, "world_size": len(ranks),
+                               "device": "gpu" if device_type == "cuda" else "cpu", "ranks": ranks}, indent=1))
 
 
 if __name__ == "__main__":

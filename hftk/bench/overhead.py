@@ -14,24 +14,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hftk.bench.charts import figure, fmt_spread, save
+from hftk.bench.charts import figure, finish, fmt_spread, save, whiskers
 from hftk.bench.launch import BENCH_TRAIN_ARGS, DEFAULT_MODEL, run_workers, threads_per_rank
-from hftk.bench.stats import last_logged_loss, median_of, spread, timed_steps
+from hftk.bench.stats import load_spread, spread, timed_run
 
 VARIANTS = ("hftk", "hand")
 MODES = {"hftk": "trainer", "hand": "hand"}
 
 OPTION_HELP = {
     "nproc": "DDP processes of both variants",
-    "model": "model to train (hftk train --model_name_or_path)",
-    "block_size": "tokens per sequence",
-    "micro_batch": "sequences per rank per step",
-    "learning_rate": "constant learning rate",
     "warmup": "untimed steps at the start of each launch",
     "steps": "timed steps per launch",
     "repeats": "interleaved (hftk, hand) launch pairs",
     "logging_steps": "both variants reduce and log the loss every this many steps",
-    "timeout": "seconds before a launch is killed",
 }
 
 
@@ -40,9 +35,7 @@ def run_overhead_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL
                        repeats: int = 3, logging_steps: int = 5, train_args: list[str] | None = None,
                        timeout: float = 600) -> dict[str, Any]:
     """``repeats`` interleaved pairs of launches; ratios > 1 mean hftk is faster than the hand loop.
-
-    Both log (reduce the loss across ranks) every ``logging_steps`` steps: hftk's default of 5.
-    """
+    Both log (reduce the loss across ranks) every ``logging_steps`` steps: hftk's default of 5."""
     out_dir = Path(out_dir)
     threads = threads_per_rank(nproc)
     argv = [*BENCH_TRAIN_ARGS, "--model_name_or_path", model, "--block_size", str(block_size),
@@ -55,12 +48,7 @@ def run_overhead_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL
             work = out_dir / f"{variant}-r{rep}"
             launch = run_workers(nproc, {"mode": MODES[variant], "argv": [*argv, "--output_dir", str(work / "run")]},
                                  work, timeout, threads)
-            timed = timed_steps(launch.ranks, warmup)
-            step_time = median_of(timed, "wall_s")
-            runs.append({"variant": variant, "repeat": rep, "step_time_s": step_time,
-                         "cpu_time_s": median_of(timed, "cpu_s"), "samples_per_s": nproc * micro_batch / step_time,
-                         "final_loss": last_logged_loss(launch.ranks),
-                         "loadavg_before": launch.loadavg_before, "loadavg_after": launch.loadavg_after})
+            runs.append({"variant": variant, "repeat": rep, **timed_run(launch, warmup, nproc * micro_batch)})
     pick = {(r["variant"], r["repeat"]): r for r in runs}
     result: dict[str, Any] = {
         "nproc": nproc, "model": model, "block_size": block_size, "micro_batch_per_rank": micro_batch,
@@ -72,11 +60,9 @@ def run_overhead_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL
                                     for i in range(repeats)]),
         # hand-loop CPU time / hftk CPU time per step, per pair (1.0: no overhead)
         "cpu_ratio": spread([pick["hand", i]["cpu_time_s"] / pick["hftk", i]["cpu_time_s"] for i in range(repeats)]),
-        "loadavg_1min": spread([r["loadavg_before"][0] for r in runs] + [r["loadavg_after"][0] for r in runs]),
+        "loadavg_1min": load_spread(runs),
     }
-    result["table"] = table(result)
-    result["charts"] = [chart(result, out_dir / "overhead.png")]
-    return result
+    return finish(result, table, chart, out_dir / "overhead.png")
 
 
 def table(result: dict[str, Any]) -> dict[str, Any]:
@@ -91,9 +77,7 @@ def table(result: dict[str, Any]) -> dict[str, Any]:
 def chart(result: dict[str, Any], path: Path) -> str:
     fig, (wall, cpu) = figure(2, f"hftk vs hand-written Accelerate loop ({result['nproc']} processes)")
     for ax, key, label in ((wall, "step_time_s", "wall s / step"), (cpu, "cpu_time_s", "CPU s / step / rank")):
-        stats = [result["by_variant"][v][key] for v in VARIANTS]
-        med = [s["median"] for s in stats]
-        err = [[s["median"] - s["min"] for s in stats], [s["max"] - s["median"] for s in stats]]
+        med, err = whiskers([result["by_variant"][v][key] for v in VARIANTS])
         ax.bar(VARIANTS, med, yerr=err, capsize=6, color=["tab:blue", "tab:gray"])
         ax.set(ylabel=label)
     return save(fig, path)

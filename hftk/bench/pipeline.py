@@ -29,13 +29,13 @@ count, as in training) also cost about the same to compute.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from hftk.bench.charts import figure, fmt_spread, save
-from hftk.bench.launch import Machine, threads_per_rank, torchrun_module
-from hftk.bench.stats import spread
+from hftk.bench.charts import errorbar, figure, finish, fmt_spread, save
+from hftk.bench.launch import Machine, run_workers, threads_per_rank
+from hftk.bench.stats import percent, spread
+from hftk.errors import HftkError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MICROBATCHES = (1, 2, 4, 8)
@@ -47,7 +47,6 @@ OPTION_HELP = {
     "virtual_stages": "stages per rank V for interleaved_1f1b",
     "steps": "timed steps per configuration",
     "warmup": "untimed steps per configuration first (shape inference, allocator warm-up)",
-    "block_size": "tokens per sequence",
     "rows_per_microbatch": "sequences per micro-batch (fixed, so per-action cost does not depend on M)",
     "n_layer": "decoder blocks of the benchmark model",
     "n_embd": "hidden size of the benchmark model",
@@ -77,8 +76,7 @@ def replay(ranks_events: list[list[list[Any]]], num_stages: int) -> float:
                 merged.append((kind, stage, mb, cpu))
         actions.append(merged)
     done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * len(actions)
-    pos = [0] * len(actions)
+    free, pos = [0.0] * len(actions), [0] * len(actions)
     while any(pos[r] < len(actions[r]) for r in range(len(actions))):
         progressed = False
         for r, queue in enumerate(actions):
@@ -129,13 +127,12 @@ def summarise(ranks: list[dict[str, Any]], pp: int, virtual: int) -> list[dict[s
             rows.append({**row, "skipped": record["skipped"]})
             continue
         steps = [[rank["records"][index]["steps"][i] for rank in ranks] for i in range(len(record["steps"]))]
-        replayed = [replay([s["events"] for s in step], record["stages"]) for step in steps]
-        walls = [wall_bubble(step) for step in steps]
         spans = [max(s["end"] for s in step) - min(s["start"] for s in step) for step in steps]
         on_cpu = [sum(e[5] for s in step for e in s["events"]) / sum(e[4] - e[3] for s in step for e in s["events"])
                   for step in steps]
-        row.update(replay=spread(replayed), wall=spread(walls), step_s=spread(spans), compute_on_cpu=spread(on_cpu),
-                   stage_cpu_ms=stage_costs(ranks, index))
+        row.update(replay=spread([replay([s["events"] for s in step], record["stages"]) for step in steps]),
+                   wall=spread([wall_bubble(step) for step in steps]), step_s=spread(spans),
+                   compute_on_cpu=spread(on_cpu), stage_cpu_ms=stage_costs(ranks, index))
         row["replay_minus_theory_pp"] = 100 * (row["replay"]["median"] - row["theory"])
         row["wall_minus_theory_pp"] = 100 * (row["wall"]["median"] - row["theory"])
         rows.append(row)
@@ -145,16 +142,12 @@ def summarise(ranks: list[dict[str, Any]], pp: int, virtual: int) -> list[dict[s
 def table(result: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for r in result["rows"]:
-        theory_cell = f"{100 * r['theory']:.1f}"
-        if r["schedule"] == "interleaved_1f1b":
-            theory_cell += f" ({100 * r['theory_non_interleaved']:.1f} w/o)"
-        if "skipped" in r:
-            rows.append([r["schedule"], r["microbatches"], theory_cell, "n/a", "n/a", "-", "-", r["skipped"]])
-            continue
-        pct = {k: {q: 100 * v for q, v in r[k].items() if q != "n"} for k in ("replay", "wall")}
-        rows.append([r["schedule"], r["microbatches"], theory_cell, fmt_spread(pct["replay"]), fmt_spread(pct["wall"]),
-                     f"{r['replay_minus_theory_pp']:+.1f}", f"{100 * r['compute_on_cpu']['median']:.0f}",
-                     f"{r['step_s']['median']:.2f}"])
+        theory_cell = f"{100 * r['theory']:.1f}" + (
+            f" ({100 * r['theory_non_interleaved']:.1f} w/o)" if r["schedule"] == "interleaved_1f1b" else "")
+        measured = ["n/a", "n/a", "-", "-", r["skipped"]] if "skipped" in r else [
+            fmt_spread(percent(r["replay"])), fmt_spread(percent(r["wall"])), f"{r['replay_minus_theory_pp']:+.1f}",
+            f"{100 * r['compute_on_cpu']['median']:.0f}", f"{r['step_s']['median']:.2f}"]
+        rows.append([r["schedule"], r["microbatches"], theory_cell, *measured])
     load = f"load {result['loadavg_before'][0]:.1f} -> {result['loadavg_after'][0]:.1f}"
     return {"title": f"Pipeline bubble, P={result['nproc']} ranks, V={result['virtual_stages']} for interleaved, "
                      f"{result['timed_steps']} timed steps each ({result['machine']['device']}, {load}); "
@@ -171,20 +164,14 @@ def chart(result: dict[str, Any], path: Path) -> str:
         rows = [r for r in result["rows"] if r["schedule"] == schedule]
         ax.plot([r["microbatches"] for r in rows], [100 * r["theory"] for r in rows], "k--", label="theory")
         timed = [r for r in rows if "skipped" not in r]
-        for key, marker in (("replay", "o"), ("wall", "s")):
-            xs = [r["microbatches"] for r in timed]
-            med = [100 * r[key]["median"] for r in timed]
-            err = [[100 * (r[key]["median"] - r[key]["min"]) for r in timed],
-                   [100 * (r[key]["max"] - r[key]["median"]) for r in timed]]
-            ax.errorbar(xs, med, yerr=err, marker=marker, capsize=3, linestyle="-" if key == "replay" else ":",
-                        label=f"measured ({'replay' if key == 'replay' else 'wall clock'})")
+        for key, marker, line, label in (("replay", "o", "-", "replay"), ("wall", "s", ":", "wall clock")):
+            errorbar(ax, [r["microbatches"] for r in timed], [percent(r[key]) for r in timed], f"measured ({label})",
+                     marker=marker, capsize=3, linestyle=line)
         ticks = sorted({r["microbatches"] for r in rows})
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [str(m) for m in ticks])
-        ax.set_xlabel("micro-batches M")
-        ax.set_ylabel("bubble, % of step")
+        ax.set(xlabel="micro-batches M", ylabel="bubble, % of step", ylim=(0, 70))
         ax.set_title(schedule, fontsize=9)
-        ax.set_ylim(0, 70)
         ax.legend(fontsize=7)
     return save(fig, path)
 
@@ -192,10 +179,7 @@ def chart(result: dict[str, Any], path: Path) -> str:
 def check_options(nproc: int = 2, microbatches: list[int] = MICROBATCHES, schedules: list[str] = SCHEDULES,
                   virtual_stages: int = 2, n_layer: int = 8, **_: Any) -> None:
     """Before launching (``hftk bench`` calls it first): options the worker could only fail on."""
-    from hftk.errors import HftkError
-
-    unknown = [s for s in schedules if s not in SCHEDULES]
-    if unknown:
+    if unknown := [s for s in schedules if s not in SCHEDULES]:
         raise HftkError("--schedules", f"unknown schedule '{unknown[0]}'.", f"use some of {', '.join(SCHEDULES)}.")
     if nproc < 2:
         raise HftkError("--nproc", f"a pipeline needs at least 2 ranks, got {nproc}.", "set --nproc 2 or more.")
@@ -212,32 +196,25 @@ def run_pipeline_bench(out_dir: Path, nproc: int = 2, microbatches: list[int] = 
                        block_size: int = 128, rows_per_microbatch: int = 2, n_layer: int = 8, n_embd: int = 128,
                        timeout: float = 900) -> dict[str, Any]:
     """Measure the bubble of every schedule at every micro-batch count in one launch; table + chart."""
-    check_options(nproc=nproc, microbatches=list(microbatches), schedules=list(schedules),
-                  virtual_stages=virtual_stages, n_layer=n_layer)
+    check_options(nproc, microbatches, schedules, virtual_stages, n_layer)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     spec = {"schedules": list(schedules), "microbatches": [int(m) for m in microbatches],
             "virtual_stages": virtual_stages, "steps": steps, "warmup": warmup, "block_size": block_size,
             "rows_per_microbatch": rows_per_microbatch, "n_layer": n_layer, "n_embd": n_embd, "n_head": 4,
-            "vocab_size": 256, "out": str(out_dir / "ranks")}
-    (out_dir / "spec.json").write_text(json.dumps(spec, indent=1))
-    before = list(os.getloadavg())
-    wall = torchrun_module(nproc, "hftk.bench.pipeline_worker", [str(out_dir / "spec.json")], out_dir, timeout,
-                           threads_per_rank(nproc))
-    after = list(os.getloadavg())
-    ranks = [json.loads((out_dir / "ranks" / f"rank{r}.json").read_text()) for r in range(nproc)]
+            "vocab_size": 256}
+    launch = run_workers(nproc, spec, out_dir, timeout, threads_per_rank(nproc), module="hftk.bench.pipeline_worker")
     result: dict[str, Any] = {
         "nproc": nproc, "virtual_stages": virtual_stages, "timed_steps": steps, "warmup_steps": warmup,
         "model": {k: spec[k] for k in ("n_layer", "n_embd", "n_head", "vocab_size", "block_size")},
         "rows_per_microbatch": rows_per_microbatch, "threads_per_rank": threads_per_rank(nproc),
-        "machine": Machine.here().__dict__, "loadavg_before": before, "loadavg_after": after, "launch_wall_s": wall,
-        "rows": summarise(ranks, nproc, virtual_stages),
+        "machine": Machine.here().__dict__, "loadavg_before": launch.loadavg_before,
+        "loadavg_after": launch.loadavg_after, "launch_wall_s": launch.wall_s,
+        "rows": summarise(launch.ranks, nproc, virtual_stages),
     }
     timed = [r for r in result["rows"] if "skipped" not in r]
     result["max_abs_replay_minus_theory_pp"] = max(abs(r["replay_minus_theory_pp"]) for r in timed)
     result["max_abs_wall_minus_theory_pp"] = max(abs(r["wall_minus_theory_pp"]) for r in timed)
     result["replay_within_target"] = result["max_abs_replay_minus_theory_pp"] <= TARGET_PP
-    result["table"] = table(result)
-    result["charts"] = [chart(result, out_dir / "pipeline_bubble.png")]
+    finish(result, table, chart, out_dir / "pipeline_bubble.png")
     (out_dir / "pipeline.json").write_text(json.dumps(result, indent=1))
     return result

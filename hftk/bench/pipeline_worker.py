@@ -1,10 +1,8 @@
-"""Per-rank worker of ``hftk bench pipeline``: time every action of every schedule on this rank.
+"""Per-rank worker of ``hftk bench pipeline`` (``-m hftk.bench.pipeline_worker spec.json`` under torchrun).
 
-Run under torchrun (``python -m torch.distributed.run --nproc_per_node P -m
-hftk.bench.pipeline_worker spec.json``). One GPT-2-shaped model is cut into stages with
-:mod:`hftk.strategies.pipeline` once per (schedule, micro-batch count); the configurations then
-take turns step by step (A B C A B C ...) so that load from other processes falls on all of
-them alike. For each step the rank records its start and end (after a barrier) and, for every
+One GPT-2-shaped model is cut into stages with :mod:`hftk.strategies.pipeline` once per (schedule,
+micro-batch count); the configurations take turns step by step (A B C A B C ...), so that other load
+falls on all alike. Per step the rank records its start and end (after a barrier) and, for every
 forward, loss and backward it runs, the wall-clock interval and the CPU time of its thread.
 """
 
@@ -19,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from hftk.bench.worker import teardown, write_json
 from hftk.config import StrategyConfig
 from hftk.strategies import pipeline
 
@@ -74,11 +73,10 @@ def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank = dist.get_rank()
+    rank, pp = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    pp = dist.get_world_size()
     topo = pipeline.topology(pp, device)
     model = model_from(spec).to(device)
     configs, records = [], []
@@ -86,8 +84,7 @@ def main(spec_path: str) -> int:
         for m in spec["microbatches"]:
             record: dict[str, Any] = {"schedule": schedule, "microbatches": m, "steps": []}
             records.append(record)
-            reason = invalid(schedule, m, pp)
-            if reason:
+            if reason := invalid(schedule, m, pp):
                 record["skipped"] = reason
                 continue
             scfg = StrategyConfig(strategy="pipeline", pp_size=pp, pp_microbatches=m, pp_schedule=schedule,
@@ -95,9 +92,8 @@ def main(spec_path: str) -> int:
             rt = pipeline.build_runtime(model, scfg, topo)
             events: list[Event] = []
             instrument(rt, events)
-            generator = torch.Generator().manual_seed(m)
             ids = torch.randint(0, spec["vocab_size"], (m * spec["rows_per_microbatch"], spec["block_size"]),
-                                generator=generator)
+                                generator=torch.Generator().manual_seed(m))
             batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
             record["stages"] = rt.num_stages
             configs.append((rt, events, batch, record))
@@ -114,11 +110,8 @@ def main(spec_path: str) -> int:
                 p.grad = None
             if step >= spec["warmup"]:
                 record["steps"].append({"start": start, "end": end, "events": list(events)})
-    out = Path(spec["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "records": records}))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_json(Path(spec["out"]) / f"rank{rank}.json", {"rank": rank, "records": records})
+    teardown()
     return 0
 
 

@@ -21,7 +21,6 @@ from hftk.bench.launch import Machine
 def write_report(report_dir: Path, results: dict[str, dict[str, Any]], machine: Machine, started: float,
                  command: str, failures: dict[str, str] | None = None) -> Path:
     """Write ``results.json`` and ``summary.md`` into ``report_dir``; returns the summary's path."""
-    report_dir = Path(report_dir)
     meta = {**dataclasses.asdict(machine), "loadavg_end": list(os.getloadavg()), "command": command,
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
             "duration_s": time.time() - started}
@@ -50,11 +49,8 @@ def render_markdown(results: dict[str, dict[str, Any]], meta: dict[str, Any], fa
         "- figures are medians with [min-max] over repeats; raw numbers in `results.json`.", "",
     ]
     for name, result in results.items():
-        lines += [f"## {name}", ""]
-        table = result.get("table")
-        lines += markdown_table(table) if table else markdown_table(scalar_table(result))
-        lines += [f"![{name}]({name}/{chart})" for chart in result.get("charts", [])]
-        lines.append("")
+        lines += [f"## {name}", "", *markdown_table(result.get("table") or scalar_table(result)),
+                  *[f"![{name}]({name}/{chart})" for chart in result.get("charts", [])], ""]
     for name, error in failures.items():
         lines += [f"## {name}: FAILED", "", "```", error.strip()[-3000:], "```", ""]
     return "\n".join(lines)
@@ -65,10 +61,9 @@ def _load(values: list[float]) -> str:
 
 
 def markdown_table(table: dict[str, Any]) -> list[str]:
-    out = [f"**{table['title']}**", "", "| " + " | ".join(table["columns"]) + " |",
-           "|" + "---|" * len(table["columns"])]
-    out += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in table["rows"]]
-    return [*out, ""]
+    columns = table["columns"]
+    return [f"**{table['title']}**", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in table["rows"]), ""]
 
 
 def scalar_table(result: dict[str, Any]) -> dict[str, Any]:

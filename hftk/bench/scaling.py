@@ -14,33 +14,26 @@ from typing import Any
 
 import torch
 
-from hftk.bench.charts import errorbar, figure, fmt_spread, save
+from hftk.bench.charts import errorbar, figure, finish, fmt_spread, save
 from hftk.bench.launch import BENCH_TRAIN_ARGS, DEFAULT_MODEL, max_processes, run_workers, threads_per_rank
-from hftk.bench.stats import last_logged_loss, median_of, spread, timed_steps
+from hftk.bench.stats import load_spread, spread, timed_run
 from hftk.errors import HftkError
 
 OPTION_HELP = {
     "nprocs": "comma-separated process counts (default 1, 2, 4, ... up to one per GPU, or per core on CPU)",
     "strategy": "parallelism to scale (hftk train --strategy)",
-    "model": "model to train (hftk train --model_name_or_path)",
-    "block_size": "tokens per sequence",
     "micro_batch": "sequences per rank per step (weak scaling: fixed per rank)",
-    "learning_rate": "constant learning rate",
     "warmup": "untimed steps at the start of each launch (>= 3 keeps the profiled step 3 out of the timing)",
     "steps": "timed steps per launch (their median is the launch's step time)",
     "repeats": "launches per process count",
     "target_loss": "training loss whose first crossing sets the time to target",
-    "timeout": "seconds before a launch is killed",
 }
 
 
 def default_nprocs() -> list[int]:
     """1, 2, 4, ... up to the machine's processes (and that count itself)."""
     top = max_processes()
-    counts = [1]
-    while counts[-1] * 2 <= top:
-        counts.append(counts[-1] * 2)
-    return counts if counts[-1] == top else [*counts, top]
+    return sorted({2**i for i in range(top.bit_length())} | {top})
 
 
 def check_options(nprocs: list[int] | None = None, strategy: str = "ddp", repeats: int = 3, steps: int = 20,
@@ -58,14 +51,14 @@ def check_options(nprocs: list[int] | None = None, strategy: str = "ddp", repeat
         raise HftkError("bench.repeats", "repeats and steps must be at least 1.", "use e.g. 3 repeats of 20 steps.")
 
 
-def time_to_target(ranks: list[dict[str, Any]], target: float) -> tuple[float | None, int | None]:
-    """Seconds and steps from the start until the logged loss first reaches ``target``."""
+def time_to_target(ranks: list[dict[str, Any]], target: float) -> dict[str, float | None]:
+    """Seconds and steps from the start until the logged loss first reaches ``target`` (None: never)."""
     elapsed = 0.0
     for i, step in enumerate(ranks[0]["steps"]):
         elapsed += max(r["steps"][i]["wall_s"] for r in ranks)
         if step["loss"] <= target:
-            return elapsed, i + 1
-    return None, None
+            return {"time_to_target_s": elapsed, "steps_to_target": i + 1}
+    return {"time_to_target_s": None, "steps_to_target": None}
 
 
 def run_scaling_bench(out_dir: Path, nprocs: list[int] | None = None, strategy: str = "ddp",
@@ -87,26 +80,16 @@ def run_scaling_bench(out_dir: Path, nprocs: list[int] | None = None, strategy: 
             work = out_dir / f"n{n}-r{rep}"
             launch = run_workers(n, {"mode": "trainer", "argv": [*argv, "--output_dir", str(work / "run")]},
                                  work, timeout, threads)
-            timed = timed_steps(launch.ranks, warmup)
-            step_time = median_of(timed, "wall_s")
-            seconds, steps_needed = time_to_target(launch.ranks, target_loss)
-            runs.append({
-                "nproc": n, "repeat": rep, "step_time_s": step_time, "cpu_time_s": median_of(timed, "cpu_s"),
-                "samples_per_s": n * micro_batch / step_time, "tokens_per_s": n * micro_batch * block_size / step_time,
-                "time_to_target_s": seconds, "steps_to_target": steps_needed,
-                "final_loss": last_logged_loss(launch.ranks), "launch_wall_s": launch.wall_s,
-                "loadavg_before": launch.loadavg_before, "loadavg_after": launch.loadavg_after,
-            })
-    by_nproc = summarize_runs(runs, nprocs)
+            run = {"nproc": n, "repeat": rep, **timed_run(launch, warmup, n * micro_batch)}
+            runs.append({**run, "tokens_per_s": n * micro_batch * block_size / run["step_time_s"],
+                         **time_to_target(launch.ranks, target_loss), "launch_wall_s": launch.wall_s})
     result: dict[str, Any] = {
         "strategy": strategy, "model": model, "block_size": block_size, "micro_batch_per_rank": micro_batch,
         "warmup_steps": warmup, "timed_steps": steps, "repeats": repeats, "threads_per_rank": threads,
-        "target_loss": target_loss, "runs": runs, "by_nproc": by_nproc,
-        "loadavg_1min": spread([r["loadavg_before"][0] for r in runs] + [r["loadavg_after"][0] for r in runs]),
+        "target_loss": target_loss, "runs": runs, "by_nproc": summarize_runs(runs, nprocs),
+        "loadavg_1min": load_spread(runs),
     }
-    result["table"] = table(result)
-    result["charts"] = [chart(result, out_dir / "scaling.png")]
-    return result
+    return finish(result, table, chart, out_dir / "scaling.png")
 
 
 def summarize_runs(runs: list[dict[str, Any]], nprocs: list[int]) -> dict[str, dict[str, Any]]:
@@ -119,10 +102,7 @@ def summarize_runs(runs: list[dict[str, Any]], nprocs: list[int]) -> dict[str, d
         mine = [r for r in runs if r["nproc"] == n]
         reached = [r["time_to_target_s"] for r in mine if r["time_to_target_s"] is not None]
         out[str(n)] = {
-            "samples_per_s": spread([r["samples_per_s"] for r in mine]),
-            "tokens_per_s": spread([r["tokens_per_s"] for r in mine]),
-            "step_time_s": spread([r["step_time_s"] for r in mine]),
-            "cpu_time_s": spread([r["cpu_time_s"] for r in mine]),
+            **{k: spread([r[k] for r in mine]) for k in ("samples_per_s", "tokens_per_s", "step_time_s", "cpu_time_s")},
             "efficiency": spread([r["samples_per_s"] / (n / base_n * base[r["repeat"]]) for r in mine]),
             # each rank's work for the same micro-batch, alone vs among n: steady even on a busy machine,
             # but blind to time spent waiting (exposed communication, stragglers)
@@ -134,11 +114,9 @@ def summarize_runs(runs: list[dict[str, Any]], nprocs: list[int]) -> dict[str, d
 
 
 def table(result: dict[str, Any]) -> dict[str, Any]:
-    rows = []
-    for n, s in result["by_nproc"].items():
-        rows.append([n, fmt_spread(s["samples_per_s"]), fmt_spread(s["step_time_s"], 3), fmt_spread(s["cpu_time_s"], 3),
-                     fmt_spread(s["efficiency"], 2), fmt_spread(s["cpu_efficiency"], 2), fmt_spread(s["time_to_target_s"]),
-                     s["target_reached"]])
+    rows = [[n, fmt_spread(s["samples_per_s"]), fmt_spread(s["step_time_s"], 3), fmt_spread(s["cpu_time_s"], 3),
+             fmt_spread(s["efficiency"], 2), fmt_spread(s["cpu_efficiency"], 2), fmt_spread(s["time_to_target_s"]),
+             s["target_reached"]] for n, s in result["by_nproc"].items()]
     return {"title": f"Scaling ({result['strategy']}, {result['micro_batch_per_rank']} x {result['block_size']} tokens "
                      f"per rank, median [min-max] of {result['repeats']} launches x {result['timed_steps']} steps)",
             "columns": ["processes", "samples/s", "step time s", "CPU s/step/rank", "efficiency", "CPU-time efficiency",

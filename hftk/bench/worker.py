@@ -1,6 +1,5 @@
-"""The process every rank of a bench launch runs: ``python -m hftk.bench.worker SPEC.json``.
-
-Modes (``spec["mode"]``):
+"""The process every rank of a bench launch runs: ``python -m hftk.bench.worker SPEC.json``, in one of
+three modes (``spec["mode"]``):
 
 - ``trainer``: hftk's own engine (``hftk.engine.trainer.build_trainer``, the path ``hftk train``
   takes, monitoring callbacks included) for the given ``hftk train`` argv;
@@ -17,6 +16,7 @@ add the tokens this rank's batches computed / held / labelled, the peak memory a
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import math
 import os
@@ -29,19 +29,19 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from hftk.comm.collectives import gather_objects
 
 
-class StepClock:
-    """Wall and CPU time of each optimizer step, end to end (data loading and waits included)."""
+class StepClock(TrainerCallback):
+    """Wall and CPU time of each optimizer step, end to end (data loading and waits included). As a
+    Trainer callback it restarts at train begin, ticks at each step end and takes losses and peaks from the logs."""
 
     def __init__(self) -> None:
+        self.on_train_begin()
+
+    def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
         self.steps: list[dict[str, float]] = []
         self.peak_mem_mb: list[float] = []  # rank 0: the monitor's per-window peak, max over ranks
-        self._last = (time.perf_counter(), time.process_time())
-
-    def reset(self) -> None:
-        self.steps.clear()
-        self.peak_mem_mb.clear()
         self._last = (time.perf_counter(), time.process_time())
 
     def tick(self, loss: float | None = None) -> None:
@@ -50,24 +50,14 @@ class StepClock:
                            "loss": math.nan if loss is None else loss})
         self._last = now
 
-
-class StepClockCallback(TrainerCallback):
-    """Feeds a :class:`StepClock` from the Trainer; losses come from the per-step logs."""
-
-    def __init__(self, clock: StepClock) -> None:
-        self.clock = clock
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.clock.reset()
-
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.clock.tick()
+        self.tick()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if logs and "loss" in logs and self.clock.steps:
-            self.clock.steps[-1]["loss"] = float(logs["loss"])
+        if logs and "loss" in logs and self.steps:
+            self.steps[-1]["loss"] = float(logs["loss"])
         if logs and "peak_mem_mb_max" in logs:
-            self.clock.peak_mem_mb.append(float(logs["peak_mem_mb_max"]))
+            self.peak_mem_mb.append(float(logs["peak_mem_mb_max"]))
 
 
 class TokenCount:
@@ -80,8 +70,7 @@ class TokenCount:
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.collate(examples)
-        ids = batch["input_ids"]
-        self.counts["computed"] += ids.numel()
+        self.counts["computed"] += batch["input_ids"].numel()
         self.counts["real"] += sum(len(e["input_ids"]) for e in examples)  # the rows as built, before padding
         self.counts["labelled"] += int((batch["labels"][..., 1:] != -100).sum())
         return batch
@@ -95,7 +84,7 @@ def run_trainer(argv: list[str]) -> dict[str, Any]:
 
     trainer, _, data = build_trainer(prepare(argv))
     clock = StepClock()
-    trainer.add_callback(StepClockCallback(clock))
+    trainer.add_callback(clock)
     tokens = trainer.data_collator = TokenCount(trainer.data_collator)
     trainer.train()
     trained = dict(tokens.counts)
@@ -122,33 +111,25 @@ def run_hand_loop(argv: list[str]) -> dict[str, Any]:
     torch.manual_seed(t["seed"])
     with accelerator.main_process_first():
         data = tokenize_and_pack(cfg.data, prepared.raw, load_tokenizer(cfg.model), prepared.data_format, t["seed"])
-    model = load_model(cfg.model)
-    model.train()
+    model = load_model(cfg.model).train()
     loader = DataLoader(data.train, batch_size=t["per_device_train_batch_size"], shuffle=True,
                         collate_fn=default_data_collator, drop_last=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t["learning_rate"], weight_decay=cfg.args.weight_decay,
                                   fused=True)
-    max_steps = t["max_steps"]
     scheduler = get_scheduler(t["lr_scheduler_type"], optimizer, num_warmup_steps=t["warmup_steps"],
-                              num_training_steps=max_steps)
+                              num_training_steps=t["max_steps"])
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     clock = StepClock()
-    step = 0
-    while step < max_steps:
-        for batch in loader:
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), t["max_grad_norm"])
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            logged = None
-            if step % t["logging_steps"] == 0:
-                logged = accelerator.reduce(loss.detach(), reduction="mean").item()
-            clock.tick(logged)
-            if step == max_steps:
-                break
+    batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+    for step, batch in zip(range(1, t["max_steps"] + 1), batches):
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), t["max_grad_norm"])
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        logged = step % t["logging_steps"] == 0
+        clock.tick(accelerator.reduce(loss.detach(), reduction="mean").item() if logged else None)
     return {"steps": clock.steps}
 
 
@@ -157,15 +138,13 @@ OUT_OF_MEMORY_EXIT = 3  # a batch trial ran out of device memory on this rank (h
 
 def run_batch_trials(argv: list[str], trials: list[dict[str, Any]], budget_bytes: float | None,
                      progress: Path, largest_fit: int = 0) -> dict[str, Any]:
-    """Trainer runs at each (micro_batch, accumulation) in order, in one process group.
-
-    A trial of kind ``search`` whose peak (max over ranks) exceeds the budget ends the search: later
-    ``search`` trials are skipped. A ``pair`` trial runs only when its micro-batch is no larger than
-    the largest one that fitted (``largest_fit`` when an earlier launch found it). After each trial
-    this rank's records so far are in ``progress``. A rank that runs out of device memory records the
-    trial and ends the launch at once: its peers may be inside a collective of that step, which it
-    can never join, so no later collective would pair up (``hftk.bench.batch`` relaunches).
-    """
+    """Trainer runs at each (micro_batch, accumulation) in order, in one process group. A trial of kind
+    ``search`` whose peak (max over ranks) exceeds the budget ends the search: later ``search`` trials are
+    skipped. A ``pair`` trial runs only when its micro-batch is no larger than the largest one that fitted
+    (``largest_fit`` when an earlier launch found it). After each trial this rank's records so far are in
+    ``progress``. A rank that runs out of device memory records the trial and ends the launch at once: its
+    peers may be inside a collective of that step, which it can never join, so no later collective would
+    pair up (``hftk.bench.batch`` relaunches)."""
     from hftk.engine.trainer import build_trainer
     from hftk.run import prepare
 
@@ -174,38 +153,35 @@ def run_batch_trials(argv: list[str], trials: list[dict[str, Any]], budget_bytes
     for trial in trials:
         if (trial["kind"] == "search" and search_over) or (trial["kind"] == "pair" and trial["micro_batch"] > largest_fit):
             continue
-        trial_argv = [*argv, "--per_device_train_batch_size", str(trial["micro_batch"]),
-                      "--gradient_accumulation_steps", str(trial["accumulation"]),
-                      "--output_dir", str(Path(trial["output_dir"]))]
-        trainer, _, _ = build_trainer(prepare(trial_argv))
-        device = trainer.args.device
+        trainer, _, _ = build_trainer(prepare([*argv, "--per_device_train_batch_size", str(trial["micro_batch"]),
+                                               "--gradient_accumulation_steps", str(trial["accumulation"]),
+                                               "--output_dir", trial["output_dir"]]))
         clock = StepClock()
-        trainer.add_callback(StepClockCallback(clock))
+        trainer.add_callback(clock)
         gc.collect()
         try:
             trainer.train()
         except torch.OutOfMemoryError:
             results.append({**trial, "peak_mem_bytes": None, "oom": True, "fits": False, "steps": clock.steps})
-            _write_json(progress, {"trials": results})
+            write_json(progress, {"trials": results})
             sys.stdout.flush()
             os._exit(OUT_OF_MEMORY_EXIT)
         # The run's own monitor measured each logging window's peak on every rank (rank 0 holds the
         # max over ranks); every rank takes rank 0's figure so that all decide alike.
-        peak = _max_over_ranks(max(clock.peak_mem_mb, default=0.0) * 2**20, device)
+        peak = max(gather_objects(max(clock.peak_mem_mb, default=0.0) * 2**20))
         del trainer
         gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op unless CUDA is in use
         fits = budget_bytes is None or peak <= budget_bytes
         if trial["kind"] == "search":
             search_over = not fits
             largest_fit = trial["micro_batch"] if fits else largest_fit
         results.append({**trial, "peak_mem_bytes": peak, "oom": False, "fits": fits, "steps": clock.steps})
-        _write_json(progress, {"trials": results})
+        write_json(progress, {"trials": results})
     return {"trials": results}
 
 
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
+def write_json(path: Path, payload: dict[str, Any]) -> None:
     """Complete or absent: written beside, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}")
@@ -213,30 +189,19 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
     tmp.rename(path)
 
 
-def _max_over_ranks(value: float, device: torch.device) -> float:
-    if not dist.is_initialized():
-        return value
-    on = device if "nccl" in str(dist.get_backend()) else torch.device("cpu")
-    tensor = torch.tensor([value], dtype=torch.float64, device=on)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
-
-
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    mode = spec["mode"]
+    mode, rank = spec["mode"], int(os.environ.get("RANK", "0"))
     if mode == "trainer":
         result = run_trainer(spec["argv"])
     elif mode == "hand":
         result = run_hand_loop(spec["argv"])
     elif mode == "batch":
-        progress = Path(spec["progress"]) / f"rank{os.environ.get('RANK', '0')}.json"
-        result = run_batch_trials(spec["argv"], spec["trials"], spec.get("budget_bytes"), progress,
-                                  spec.get("largest_fit", 0))
+        result = run_batch_trials(spec["argv"], spec["trials"], spec.get("budget_bytes"),
+                                  Path(spec["progress"]) / f"rank{rank}.json", spec.get("largest_fit", 0))
     else:
         raise ValueError(f"unknown bench worker mode {mode!r}")
-    rank = int(os.environ.get("RANK", "0"))
-    _write_json(Path(spec["out"]) / f"rank{rank}.json", {"rank": rank, **result})  # the launcher watches for these
+    write_json(Path(spec["out"]) / f"rank{rank}.json", {"rank": rank, **result})  # the launcher watches for these
     teardown()
     return 0
 
