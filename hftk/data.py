@@ -350,11 +350,13 @@ def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> t
         ds = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=cfg.preprocessing_num_workers,
                     desc="tokenize")
         if fmt == "messages":
-            dropped, truncated = n - len(ds), sum(ds["truncated"])
+            dropped, truncated = n - len(ds), sum(ds["truncated"]) if len(ds) else 0
             if (dropped or truncated) and is_main_process():
                 what = f"dropped {dropped}" if cfg.truncation == "drop" else f"truncated {truncated}, dropped {dropped}"
                 print(f"hftk: data: {cfg.dataset} [{name}]: {what} of {n} conversations longer than block_size "
                       f"{cfg.block_size} (data.truncation={cfg.truncation})", flush=True)
+            if not len(ds):
+                return ds  # every row dropped: a map with no output rows keeps no columns either
             ds = ds.remove_columns("truncated")
         return rows(ds, cfg.packing, cfg.block_size, fmt)
 

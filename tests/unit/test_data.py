@@ -110,6 +110,26 @@ def test_long_conversations_dropped_or_truncated_to_whole_turns(tmp_path, capsys
         assert text.count("<|im_end|>") < 4
 
 
+def test_a_split_whose_every_conversation_is_dropped_is_named_not_a_traceback(tmp_path, capsys):
+    """Train all too long: the one-line block_size error. Held-out split all too long: no evaluation."""
+    from hftk.errors import HftkError
+
+    long = chat_row(user="Tell it long " * 20, answer="So be it " * 10, turns=3)
+    folder = tmp_path / "chat"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [long, long])
+    with pytest.raises(HftkError) as err:
+        blocks([*CHAT, "--dataset", str(folder), "--truncation", "drop", "--block_size", "160"], tmp_path)
+    assert err.value.field == "data.block_size"
+    write_jsonl(folder / "train.jsonl", [chat_row(), chat_row(answer="Ja.")])
+    write_jsonl(folder / "test.jsonl", [long])
+    p = prepare([*CHAT, "--dataset", str(folder), "--eval_split", "test", "--truncation", "drop", "--block_size",
+                 "160", "--output_dir", str(tmp_path / "out2")])
+    data = tokenize_sources(p.sources, load_tokenizer(p.cfg.model, p.cfg.data.chat_template), 0)
+    assert len(data.train) == 2 and data.eval is None
+    assert "[eval]: dropped 1 of 1 conversations" in capsys.readouterr().out
+
+
 def test_several_datasets_concatenated_or_interleaved_and_recorded(tmp_path):
     from hftk.run_record import model_card, run_record
 
