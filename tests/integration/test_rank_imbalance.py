@@ -9,13 +9,18 @@ from tests.helpers import ROOT, TINY_ARGS, metrics, torchrun
 
 pytestmark = pytest.mark.slow
 SLOW_FROM, STEPS, LOG_EVERY = 9, 16, 4
+# The warning threshold this run sets: the slowed rank makes the others wait > 70 % of each step, while
+# balanced windows stay far below. At the default 20 % a balanced window of 0.15 s steps warned in one CI
+# run (22 %: rank 0 lost 34 ms per step to another process on this 2-core machine).
+THRESHOLD = 0.5
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("imbalance") / "run"
     args = [*TINY_ARGS, "--output_dir", str(out), "--max_steps", str(STEPS), "--logging_steps", str(LOG_EVERY),
-            "--per_device_train_batch_size", "16", "--comm_profile_steps", "0"]
+            "--per_device_train_batch_size", "16", "--comm_profile_steps", "0",
+            "--imbalance_warn_threshold", str(THRESHOLD)]
     result = torchrun(2, ROOT / "tests" / "workers" / "slow_rank.py", [str(SLOW_FROM), "0.5", *args], timeout=400)
     assert result.returncode == 0, result.output[-6000:]
     records = {m["step"]: m for m in metrics(out) if "rank_stats" in m}
@@ -38,7 +43,7 @@ def test_balanced_windows_do_not_warn(run):
     records, _ = run
     for step in (4, 8):
         assert records[step]["imbalance_warning"] is False, records[step]
-        assert records[step]["rank_wait_share"] < 0.2
+        assert records[step]["rank_wait_share"] < THRESHOLD
 
 
 def test_slowed_rank_is_named_in_the_warning(run):
