@@ -51,3 +51,13 @@ def builtin_cache(tmp_path, monkeypatch):
     root = tmp_path / "cache"
     monkeypatch.setenv("HFTK_CACHE", str(root))
     return root
+
+
+@pytest.fixture(scope="module")
+def hub():
+    """A local stand-in Hub (tests/hub_server.py) for one test module's pushing runs."""
+    from tests.faults import TOKEN
+    from tests.hub_server import HubServer
+
+    with HubServer(token=TOKEN) as server:
+        yield server

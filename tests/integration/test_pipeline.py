@@ -21,7 +21,7 @@ import torch
 
 from tests.helpers import (FINETUNE, TINY_ARGS, finetune_cells, load_weights, losses, max_weight_diff, metrics,
                            plain_reference, run)
-from tests.faults import TOKEN, hub_env
+from tests.faults import hub_env
 from tests.unit.strategies.test_pipeline import MODELS, PIPE
 
 STEPS = 5
@@ -30,14 +30,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 REPO = "hftk-test/tiny-gpt2-pipeline"
 COMMON = ["--max_steps", str(STEPS), "--per_device_train_batch_size", "8"]
 pytestmark = pytest.mark.timeout(1800)  # the first slow test launches every run
-
-
-@pytest.fixture(scope="module")
-def hub():
-    from tests.hub_server import HubServer
-
-    with HubServer(token=TOKEN) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

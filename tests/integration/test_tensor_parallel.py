@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from tests.faults import TOKEN, hub_env
+from tests.faults import hub_env
 from tests.helpers import (ROOT, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, metrics,
                            plain_reference, torchrun, wandb_run)
 
@@ -72,14 +72,6 @@ def _plain_loop(root, name: str, model: str):
 @pytest.fixture(scope="module")
 def gpt2_ref(root):
     return _plain_loop(root, "gpt2_ref", GPT2[1])
-
-
-@pytest.fixture(scope="module")
-def hub():
-    from tests.hub_server import HubServer
-
-    with HubServer(token=TOKEN) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
