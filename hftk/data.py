@@ -132,16 +132,22 @@ def describe(cfg: DataConfig) -> list[dict[str, Any]]:
             for c, w, _ in source_configs(cfg)]
 
 
-def resolve_format(cfg: DataConfig, columns: list[str], first_row: dict[str, Any] | None = None) -> str:
-    """The declared format, or the one ``auto`` detects; checks the needed columns exist."""
-    from trl.data_utils import is_conversational, is_conversational_from_value
+def _trl_data() -> Any:
+    import trl.data_utils
 
+    return trl.data_utils
+
+
+def resolve_format(cfg: DataConfig, columns: list[str], first_row: dict[str, Any] | None = None) -> str:
+    """The declared format, or the one ``auto`` detects; checks the needed columns exist. TRL (and the wandb
+    it imports, ~1.3 s) is loaded only when a conversation column is there to judge."""
     fmt = cfg.data_format
     row = first_row or {}
     if fmt == "auto":
-        if cfg.messages_field in columns and is_conversational({"messages": row.get(cfg.messages_field) or [{}]}):
+        if cfg.messages_field in columns and _trl_data().is_conversational(
+                {"messages": row.get(cfg.messages_field) or [{}]}):
             fmt = "messages"
-        elif cfg.conversations_field in columns and is_conversational_from_value(
+        elif cfg.conversations_field in columns and _trl_data().is_conversational_from_value(
                 {"conversations": row.get(cfg.conversations_field) or [{}]}):
             fmt = "sharegpt"
         elif {cfg.instruction_field, cfg.output_field} <= set(columns):
@@ -483,13 +489,13 @@ def rows(ds: Any, packing: str, block_size: int, fmt: str) -> Any:
     ``bfd`` whole examples placed by TRL's best-fit decreasing (``seq_lengths`` per row: where each
     example starts; plain text longer than a block is split, anything else truncated), ``none`` one
     example per row cut to ``block_size`` (the collator pads each batch)."""
-    from trl.data_utils import pack_dataset
-
     _check_resolved(packing)
     if packing == "concat":
         return ds.map(lambda b: pack_blocks(b, block_size), batched=True, remove_columns=ds.column_names,
                       desc="pack")
     if packing == "bfd":
+        from trl.data_utils import pack_dataset
+
         return pack_dataset(ds, block_size, strategy="bfd_split" if fmt == "text" else "bfd")
     return ds.map(lambda b: {k: [x[:block_size] for x in b[k]] for k in ("input_ids", "labels")}, batched=True,
                   desc="cut")
@@ -501,7 +507,8 @@ def _check_resolved(packing: str) -> None:
 
 
 def collator(cfg: DataConfig, pad_id: int, fixed_length: int | None = None, attention: str | None = None) -> Any:
-    """The batch builder of every engine: TRL's ``DataCollatorForLanguageModeling``.
+    """The batch builder of every engine: TRL's ``DataCollatorForLanguageModeling`` (its padding for
+    ``concat`` / ``none``, see :func:`pad_rows`).
 
     ``bfd``: ``position_ids`` restarting at 0 per example, no attention mask, the label of every
     example's first token ignored (no token predicts the next example); transformers builds the
@@ -512,28 +519,43 @@ def collator(cfg: DataConfig, pad_id: int, fixed_length: int | None = None, atte
     they are flattened into one padding-free row, the only form its varlen path reads as packed.
     ``concat`` / ``none``: rows padded to the batch's longest, rounded up to ``pad_to_multiple_of`` --
     or to ``fixed_length`` for engines whose shapes are fixed (pipeline stages, tp / cp / sp)."""
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-
     _check_resolved(cfg.packing)
     bfd = cfg.packing == "bfd"
     flat = bfd and (attention or "").startswith("flash_attention")
     multiple = fixed_length or (None if flat else cfg.pad_to_multiple_of)
-    collate = DataCollatorForLanguageModeling(pad_token_id=pad_id, padding_free=flat, return_position_ids=bfd,
+    if not bfd:
+        return lambda examples: pad_rows(examples, pad_id, multiple)
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    collate = DataCollatorForLanguageModeling(pad_token_id=pad_id, padding_free=flat, return_position_ids=True,
                                               pad_to_multiple_of=multiple)
 
     def build(examples: list[dict[str, Any]]) -> dict[str, Any]:
         plain = [{k: v.tolist() if hasattr(v, "tolist") else v for k, v in e.items()
                   if k in ("input_ids", "labels", "seq_lengths")} for e in examples]
-        batch = collate(plain)
-        if bfd:
-            # TRL's varlen metadata (cu_seq_lens, seq_idx) and padding mask dropped: transformers derives the
-            # boundaries from position_ids (padding restarts at 0: each pad token alone, its label ignored).
-            batch = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
-            batch["labels"][batch["position_ids"] == 0] = IGNORE_INDEX
-            batch["use_cache"] = False
+        # TRL's varlen metadata (cu_seq_lens, seq_idx) and padding mask dropped: transformers derives the
+        # boundaries from position_ids (padding restarts at 0: each pad token alone, its label ignored).
+        batch = {k: v for k, v in collate(plain).items() if k in ("input_ids", "labels", "position_ids")}
+        batch["labels"][batch["position_ids"] == 0] = IGNORE_INDEX
+        batch["use_cache"] = False
         return batch
 
     return build
+
+
+def pad_rows(examples: list[dict[str, Any]], pad_id: int, multiple: int | None) -> dict[str, Any]:
+    """Rows padded on the right exactly as TRL's ``DataCollatorForLanguageModeling`` pads them without
+    packing, with TRL's own ``pad``. That collator is not imported for them: its module loads TRL's trainer
+    base, which imports wandb, a second of every rank's start-up that a run without wandb never uses."""
+    import torch
+    from trl.trainer.utils import pad
+
+    ids = [torch.as_tensor(e["input_ids"]) for e in examples]
+    labels = [torch.as_tensor(e["labels"]) for e in examples]
+    return {"input_ids": pad(ids, padding_value=pad_id, padding_side="right", pad_to_multiple_of=multiple),
+            "labels": pad(labels, padding_value=IGNORE_INDEX, padding_side="right", pad_to_multiple_of=multiple),
+            "attention_mask": pad([torch.ones_like(x) for x in ids], padding_value=0, padding_side="right",
+                                  pad_to_multiple_of=multiple)}
 
 
 def pack_blocks(batch: dict[str, list], block_size: int) -> dict[str, list]:

@@ -125,8 +125,27 @@ def load_model(cfg: ModelConfig, shardable: bool = False) -> Any:
     quantization = quantization_config(cfg, shardable)
     if quantization is not None:
         kwargs.update(quantization_config=quantization, device_map={"": local_device()})
-    return AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg), config=config, revision=cfg.model_revision,
-                                                **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg), config=config, revision=cfg.model_revision,
+                                                 **kwargs)
+    if quantization is not None:
+        evaluate_4bit_as_trained(model)
+    return model
+
+
+def evaluate_4bit_as_trained(model: Any) -> None:
+    """Keep every bitsandbytes ``Linear4bit`` of ``model`` on the kernel it trains with, in eval mode too.
+
+    On a CPU with AVX512-BF16, bitsandbytes >= 0.50 repacks a 4-bit weight in place the first time the layer
+    runs in eval mode (``support_avx512bf16_for_cpu``) for a faster inference kernel. That layout assumes
+    ``in_features`` is a multiple of the quantization block (a Llama ``down_proj`` of 160 crashed the first
+    evaluation), and FSDP's sharded storage does not survive the rewrite (a QLoRA fsdp run's eval loss was
+    0.07 off one process's). Evaluation then dequantizes and multiplies exactly as training does, on every
+    shape and strategy, at the price of that kernel's speed."""
+    from bitsandbytes.nn import Linear4bit
+
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def context_length(config: Any) -> int | None:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from hftk import startup
+
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -40,6 +42,7 @@ class MetricsCallback(TrainerCallback):
         self._step_start = 0.0
         self._window_time = 0.0
         self._window_steps = 0
+        self._started = False
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_start = time.perf_counter()
@@ -47,6 +50,13 @@ class MetricsCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._window_time += time.perf_counter() - self._step_start
         self._window_steps += 1
+        if not self._started:  # this process's first optimizer step: its start-up is over
+            self._started = True
+            startup.mark("first_step")
+            if state.is_world_process_zero:
+                seconds = startup.report()
+                print(startup.line(seconds), flush=True)
+                append_jsonl(self.metrics_path, {"step": state.global_step, "startup": seconds})
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if logs is None:

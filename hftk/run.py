@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from hftk import allocator, launch, output, plan, strategies, validate
+from hftk import allocator, launch, output, plan, startup, strategies, validate
 from hftk.config import RunConfig, is_main_process, load_config
 from hftk.data import check_holdouts, combined_format, load_sources
 from hftk.errors import HftkError, report
@@ -65,10 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``scripts/finetune.py`` and ``hftk train``."""
     import importlib
 
+    startup.mark("imports")
     try:
         prepared = prepare(argv)
     except HftkError as exc:
         return report(exc)
+    startup.mark("prepare")
     output.announce_cpu(is_main_process())
     engine = strategies.spec(prepared.cfg.strategy.strategy).engine
     try:

@@ -20,10 +20,24 @@ def pytest_terminal_summary(terminalreporter) -> None:
     """The fault tests' kill steps and their seed, also under -q (which hides the header)."""
     import sys
 
+    for line in sys.modules["tests.warm"].summary() if "tests.warm" in sys.modules else []:
+        terminalreporter.write_line(line)
     faults = sys.modules.get("tests.faults")
     if faults is not None and faults.DRAWN:
         terminalreporter.write_line(f"hftk fault seed {faults.FAULT_SEED}: {', '.join(faults.DRAWN)} "
                                     f"(HFTK_FAULT_SEED={faults.FAULT_SEED} replays them)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_server(request):
+    """The warm-rank server for the suite's own environment (tests/warm.py), started before the first test
+    when any multi-process test was collected, so its imports overlap the first tests; stopped with the session."""
+    from tests import warm
+
+    if any("/integration/" in item.nodeid or item.nodeid.startswith("integration/") for item in request.session.items):
+        warm.server_for(warm.cell_env())
+    yield
+    warm.shutdown()
 
 
 @pytest.fixture(scope="session", autouse=True)

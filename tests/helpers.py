@@ -1,7 +1,9 @@
 """Shared test plumbing: launch hftk in 1..N processes under a hard timeout, read its metrics.
 
-Every multi-process launch runs in its own session and is killed as a process group when it
-overruns, so a hang fails the test instead of stalling CI.
+:func:`torchrun`, :func:`python`, :func:`finetune` and :func:`finetune_cells` run on warm ranks
+(tests/warm.py: forked from a server that has the imports done); :func:`run` starts a real command,
+for the tests whose subject is the launch itself. Every launch runs in its own session and is killed
+as a process group when it overruns, so a hang fails the test instead of stalling CI.
 """
 
 from __future__ import annotations
@@ -9,18 +11,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hftk.bench.launch import free_port, torchrun_command  # noqa: F401 (free_port: for the tests)
+from tests import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 FINETUNE = ROOT / "scripts" / "finetune.py"
-CELLS = ROOT / "tests" / "workers" / "matrix_cells.py"
+MEMORY_WORKER = ROOT / "hftk" / "bench" / "memory_worker.py"
 PLAIN = ROOT / "tests" / "reference" / "plain.py"
 
 # Small, deterministic, fast: tiny GPT-2, dropout off, constant LR, one loss per step.
@@ -82,12 +85,28 @@ def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: 
 
 
 def torchrun(nproc: int, script: Path | str, args: list[str], timeout: float = 300, nnodes: int = 1,
-             env: dict[str, str] | None = None, extra: list[str] | None = None) -> Launch:
-    """``python -m torch.distributed.run`` on loopback; nproc == 1 runs the script directly."""
+             env: dict[str, str] | None = None, extra: list[str] | None = None, real: bool = False) -> Launch:
+    """``script`` on ``nproc`` ranks as ``torchrun --nproc_per_node nproc`` starts them (nproc == 1: one plain
+    process, as ``python script``), on warm ranks (tests/warm.py). ``real`` (a test of what the launcher
+    itself does), a multi-node launch or launcher options (``extra``) go through the real
+    ``python -m torch.distributed.run`` on loopback."""
     require_ranks(nproc * nnodes)
-    if nproc == 1 and nnodes == 1 and not extra:
-        return run([sys.executable, str(script), *args], timeout, env)
+    if nnodes == 1 and not extra and not real:
+        return Launch(*warm.launch([str(script)], args, nproc, timeout, env, launcher=nproc > 1))
     return run(torchrun_command(nproc, *(extra or []), str(script), *args, nnodes=nnodes), timeout, env)
+
+
+def rank_exit_codes(result: Launch) -> dict[int, int]:
+    """Each failed rank's exit status (minus the signal that ended it) from a warm launch's report."""
+    found = re.search(rf"{re.escape(warm.FAILED_RANKS)} (\{{[^}}]*\}})", result.output)
+    return {int(k): int(v) for k, v in json.loads(found.group(1)).items()} if found else {}
+
+
+def python(program: list[str], timeout: float = 300, env: dict[str, str] | None = None) -> Launch:
+    """``python SCRIPT ARGS`` or ``python -m MODULE ARGS`` (``program`` without the interpreter) in one warm
+    process (tests/warm.py): what the command does, without its seconds of imports."""
+    target, args = (program[:2], program[2:]) if program[0] == "-m" else (program[:1], program[1:])
+    return Launch(*warm.launch([str(t) for t in target], [str(a) for a in args], 1, timeout, env, launcher=False))
 
 
 def finetune(nproc: int, args: list[str], timeout: float = 300, env: dict[str, str] | None = None) -> Launch:
@@ -97,58 +116,37 @@ def finetune(nproc: int, args: list[str], timeout: float = 300, env: dict[str, s
     return result
 
 
-def launch_group(strategy: str) -> str:
-    """Which runs may share one launch: the strategy table's ``engine``, except that the pipeline keeps a
-    launch of its own (a pipeline run after a tp / cp / sp run in one process group hung)."""
-    from hftk import strategies
-
-    if strategy == "auto":  # the plan picks among the Trainer's strategies (hftk.plan.PLAN_STRATEGIES)
-        return "trainer"
-    return "pipeline" if strategy == "pipeline" else strategies.spec(strategy).engine
-
-
-def engine_of(args: list[str]) -> str:
-    """The launch group (:func:`launch_group`) of a run with ``args``."""
-    return launch_group(args[args.index("--strategy") + 1] if "--strategy" in args else "ddp")
-
-
-def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout: float | None = None,
+def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout: float = 600,
                    env: dict[str, str] | None = None, options: dict[str, dict[str, Any]] | None = None
                    ) -> dict[str, str]:
-    """Several finetune runs (the tiny defaults plus each cell's args) in one launch of ``nproc``
-    processes per engine, one run after another (tests/workers/matrix_cells.py): each launch costs
-    10-40 s of imports and process-group start-up, so a test needing many runs shares them. Launch
-    groups (:func:`launch_group`) start in the order their first cell appears. ``options[name]`` adds the worker's per-cell keys to cell ``name``
-    (``copy``: [src, dst] copied before it; ``env``: variables it runs with; ``memory_out``: measure memory).
-    Each launch gets ``timeout`` s, by default 600 plus 150 per run (a single run had 600; DeepSpeed's
-    first use on a machine builds its C++ ops for minutes). Returns each cell's own output (its ranks'
-    stdout + stderr); asserts every launch succeeded."""
+    """Several finetune runs (the tiny defaults plus each cell's args), in order, each on ``nproc`` warm ranks
+    of its own (:func:`torchrun`). ``options[name]`` adds to cell ``name``: ``copy`` ([src, dst] copied before
+    it, e.g. an earlier cell's checkpoint into a resuming cell's folder), ``env`` (variables it runs with, e.g.
+    what ``accelerate launch`` of a strategy's YAML sets), ``memory_out`` (a file: the run goes through
+    ``hftk bench memory``'s worker, which trains with its probe and writes its record there). Each cell gets
+    ``timeout`` s (DeepSpeed's first use on a machine builds its C++ ops for minutes). Returns each cell's
+    output (stdout + stderr of its ranks); asserts every cell succeeded."""
     outputs: dict[str, str] = {}
-    engines = list(dict.fromkeys(engine_of(args) for args in cells.values()))
-    for engine in engines:
-        group = {name: args for name, args in cells.items() if engine_of(args) == engine}
-        logs = root / "cell-logs" / f"{nproc}-{engine}-{next(iter(group))}"
-        logs.mkdir(parents=True)
-        spec = logs / "spec.json"
-        spec.write_text(json.dumps({"out": str(logs), "capture": True, "cells": [
-            {"name": name, "argv": [*TINY_ARGS, *args], **(options or {}).get(name, {})}
-            for name, args in group.items()]}, default=str))
-        result = torchrun(nproc, CELLS, [str(spec)], timeout=timeout or 600 + 150 * len(group), env=env)
-        for name in group:
-            outputs[name] = "".join(p.read_text(errors="replace") for p in sorted((logs / "logs").glob(f"{name}.rank*.log")))
-        if result.returncode != 0:
-            crashed = [name for name in group if f"matrix cell {name} crashed" in result.output]
-            cell_out = outputs[crashed[0]][-6000:] if crashed else ""
-            raise AssertionError(f"finetune cells ({engine} engine) failed ({result.returncode}), crashed: {crashed}:"
-                                 f"\n{cell_out}\n{result.output[-4000:]}")
+    for name, args in cells.items():
+        extra = (options or {}).get(name, {})
+        if "copy" in extra:
+            shutil.copytree(*extra["copy"])
+        argv = [*TINY_ARGS, *args]
+        script = FINETUNE
+        if "memory_out" in extra:
+            script, argv = MEMORY_WORKER, [*argv, "--memory_out", str(extra["memory_out"])]
+        result = torchrun(nproc, script, argv, timeout=timeout, env={**(env or {}), **extra.get("env", {})})
+        outputs[name] = result.output
+        assert result.returncode == 0, f"finetune cell {name} failed ({result.returncode}):\n{result.output[-6000:]}"
     return outputs
 
 
 def plain_reference(mode: str, out: Path, args: list[str], model: str = "builtin:gpt2-tiny",
                     timeout: float = 600) -> Path:
     """Train with tests/reference/plain.py -- a plain ``transformers.Trainer`` (``trainer``) or PyTorch
-    loop (``loop``), in one plain process, importing nothing from hftk -- on the folder of the built-in
-    ``model`` and the shipped corpus, with TINY_ARGS' data and optimisation settings plus ``args``.
+    loop (``loop``), in one plain process (a warm one whose server has not imported hftk), importing nothing
+    from hftk -- on the folder of the built-in ``model`` and the shipped corpus, with TINY_ARGS' data and
+    optimisation settings plus ``args``.
     Returns ``out``: :func:`losses` and :func:`metrics` read its ``losses.json``, its weights are in
     ``out/final``."""
     from hftk.builtin import CORPUS, materialize_model
@@ -156,8 +154,8 @@ def plain_reference(mode: str, out: Path, args: list[str], model: str = "builtin
     shared = dict(zip(TINY_ARGS[::2], TINY_ARGS[1::2]))
     tiny = [x for key in ("--block_size", "--max_train_samples", "--lr_scheduler_type", "--warmup_steps",
                           "--learning_rate", "--seed") for x in (key, shared[key])]
-    result = run([sys.executable, str(PLAIN), mode, "--model", str(materialize_model(model)), "--text", str(CORPUS),
-                  "--out", str(out), *tiny, *args], timeout)
+    result = Launch(*warm.launch([str(PLAIN)], [mode, "--model", str(materialize_model(model)), "--text", str(CORPUS),
+                                                 "--out", str(out), *tiny, *args], 1, timeout, launcher=False, plain=True))
     assert result.returncode == 0, f"plain reference failed ({result.returncode}):\n{result.output[-6000:]}"
     assert json.loads((Path(out) / "losses.json").read_text())["hftk_loaded"] == []  # really not hftk
     return Path(out)

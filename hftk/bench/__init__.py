@@ -1,4 +1,5 @@
-"""``hftk bench``: measure what distribution buys (scaling, batch, overhead, memory, comm, pipeline, data).
+"""``hftk bench``: measure what distribution buys (scaling, batch, overhead, memory, comm, pipeline, data) and
+what a launch costs before its first step (startup).
 
 Every sub-bench lives in its own module ``hftk/bench/<name>.py`` and exposes ``run_<name>_bench(out_dir:
 Path, **options) -> dict``: it launches its own worker processes (under a timeout), writes raw files and

@@ -81,8 +81,8 @@ class LaunchResult:
 
 def torchrun_module(nproc: int, module: str, args: list[str], work_dir: Path, timeout: float, threads: int,
                     env: dict[str, str] | None = None, done: Callable[[], bool] | None = None) -> LaunchResult:
-    """``python -m torch.distributed.run ... -m MODULE ARGS`` on loopback, logged to ``work_dir/log.txt``: its
-    wall time and the load average around it (no ranks). Raises RuntimeError with the log's tail on failure or
+    """``python -m torch.distributed.run ... -m MODULE ARGS`` (``module`` a ``.py`` path: that script) on loopback,
+    logged to ``work_dir/log.txt``: its wall time and the load average around it (no ranks). Raises RuntimeError with the log's tail on failure or
     after ``timeout``. ``done`` says whether every rank has written its results: a launch that then fails to
     exit (a hung teardown) is killed after a grace period instead of costing the whole timeout."""
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -91,7 +91,7 @@ def torchrun_module(nproc: int, module: str, args: list[str], work_dir: Path, ti
     log_path = work_dir / "log.txt"
     before, start = list(os.getloadavg()), time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(torchrun_command(nproc, "-m", module, *args), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(torchrun_command(nproc, *([module] if module.endswith(".py") else ["-m", module]), *args), stdout=log, stderr=subprocess.STDOUT,
                                 env=full_env, start_new_session=True)
         code = _wait(proc, timeout, done)
     if code is None:

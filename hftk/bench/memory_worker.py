@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(trainer: Any, strategy: str, out: Path) -> None:
-    """Train with the probe and write every rank's record to ``out`` (rank 0); leaves the process group
-    up, so several measurements may share a launch (tests/integration/test_plan.py)."""
+    """Train with the probe and write every rank's record to ``out`` (rank 0); the caller tears the process
+    group down."""
     probe = MemoryProbe(trainer)
     trainer.add_callback(probe)
     trainer.train()

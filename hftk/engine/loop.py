@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hftk import lora, strategies
+from hftk import lora, startup, strategies
 from hftk.checkpoint import announce_resume, load_rng, resolve_resume, staged_folder
 from hftk.checkpointer import Checkpointer, TrainerStateFile
 from hftk.comm.collectives import gather_objects
@@ -104,13 +104,6 @@ class Run:
         return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.step.dp_size
 
 
-def train(prepared: PreparedRun) -> dict[str, float]:
-    """Entry point for strategies whose table ``engine`` is this module; tears the process group down."""
-    metrics = run(prepared)
-    # Torn down by us: gloo aborts when the interpreter exits with the group still alive.
-    dist.barrier()
-    dist.destroy_process_group()
-    return metrics
 
 
 def init_process_group(args: Any) -> None:
@@ -133,8 +126,9 @@ def training_overrides(cfg: Any) -> dict[str, Any]:
     return {key: value for key, value in defaults.items() if key not in cfg.given}
 
 
-def run(prepared: PreparedRun) -> dict[str, float]:
-    """Train one prepared config; leaves the process group up (several runs may share it)."""
+def train(prepared: PreparedRun) -> dict[str, float]:
+    """Entry point for strategies whose table ``engine`` is this module: train one prepared config, then
+    tear the process group down."""
     from transformers import set_seed
 
     cfg = prepared.cfg
@@ -142,14 +136,17 @@ def run(prepared: PreparedRun) -> dict[str, float]:
     args = build_training_arguments(prepared, training_overrides(cfg))
     init_process_group(args)
     check_world(dist.get_world_size())
+    startup.mark("process_group")
     set_seed(args.seed)
     tokenizer, data = load_data(prepared, args.seed)
+    startup.mark("data")
     model = lora.apply(load_model(cfg.model), cfg, args)
     _enable_activation_checkpointing(model, args)
     token_flops = flops_per_token(model, cfg.data.block_size)
     adapter = (model.peft_config[lora.ADAPTER_NAME], lora.adapter_shapes(model)) if lora.is_peft(model) else None
     step = strategy.build_step(model, cfg, args)
     del model  # this rank keeps only its shards or stages
+    startup.mark("model")
     announce_eval(cfg.data, data.eval, args.per_device_eval_batch_size, step.dp_size, dist.get_rank() == 0)
 
     optimizer = _make_optimizer(args, step)
@@ -159,7 +156,12 @@ def run(prepared: PreparedRun) -> dict[str, float]:
     scheduler = _make_scheduler(args, optimizer, max_steps)
     run = _start_run(prepared, args, step, tokenizer, optimizer, scheduler, train_loader, data.eval, collate,
                      max_steps, epochs, token_flops, adapter)
-    return _train_epochs(run, steps_per_epoch, epochs)
+    startup.mark("trainer")
+    metrics = _train_epochs(run, steps_per_epoch, epochs)
+    # Torn down by us: gloo aborts when the interpreter exits with the group still alive.
+    dist.barrier()
+    dist.destroy_process_group()
+    return metrics
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hftk import lora, strategies
+from hftk import lora, startup, strategies
 from hftk.agent_store import node_first
 from hftk.checkpoint import announce_resume, install_atomic_checkpoints, resolve_resume, staged_folder
 from hftk.comm.callback import CompressionCallback
@@ -151,11 +151,14 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     strategy = strategies.get(cfg.strategy.strategy)
     args = build_training_arguments(prepared, strategy.training_arguments(cfg, prepared.model_config))
     check_world(args.world_size)
+    startup.mark("process_group")
 
     tokenizer, data = load_data(prepared, args.seed)
     announce_eval(cfg.data, data.eval, args.per_device_eval_batch_size, args.world_size, args.process_index == 0)
+    startup.mark("data")
     base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
     model = strategy.prepare_model(lora.apply(base, cfg, args), cfg)  # LoRA before any sharding
+    startup.mark("model")
 
     # A strategy that owns its model/optimizer I/O (FSDP2 shards) supplies its own Trainer.
     make_trainer = strategy.trainer_factory(cfg) if hasattr(strategy, "trainer_factory") else Trainer
@@ -167,6 +170,7 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     count_flops_once(trainer)
     for callback in run_callbacks(prepared, trainer, strategy):
         trainer.add_callback(callback)
+    startup.mark("trainer")
     return trainer, strategy, data
 
 
@@ -185,17 +189,8 @@ def count_flops_once(trainer: Any) -> None:
 
 
 def train(prepared: PreparedRun) -> dict[str, float]:
-    """Run the Trainer for a prepared (validated) config, then tear the process group down."""
-    metrics, trainer = run(prepared)
-    # Torn down by us: gloo aborts ("terminate called without an active exception") when the
-    # interpreter exits with the group still alive.
-    trainer.accelerator.end_training()
-    return metrics
-
-
-def run(prepared: PreparedRun) -> tuple[dict[str, float], Any]:
-    """Train and save ``final``; returns (final metrics, trainer) and leaves the process group up
-    (several runs may share one launch: tests/workers/matrix_cells.py)."""
+    """Run the Trainer for a prepared (validated) config, save ``final``, then tear the process group down;
+    returns the final metrics."""
     cfg = prepared.cfg
     trainer, strategy, data = build_trainer(prepared)
     pusher = run_pusher(prepared, trainer, cfg.output_dir / cfg.tracking.metrics_file)
@@ -223,4 +218,7 @@ def run(prepared: PreparedRun) -> tuple[dict[str, float], Any]:
             write_run_files(final, record, cfg.training.get("hub_model_id"))
     if pusher is not None:
         pusher.push_final(cfg.output_dir / FINAL_DIR, step)  # waits; a failed push is reported, not raised
-    return metrics, trainer
+    # Torn down by us: gloo aborts ("terminate called without an active exception") when the
+    # interpreter exits with the group still alive.
+    trainer.accelerator.end_training()
+    return metrics

@@ -18,7 +18,7 @@ def test_launcher_prints_an_input_error_once(args, named, tmp_path):
     out.mkdir()
     (out / "notes.txt").write_text("mine\n")
     result = torchrun(2, FINETUNE, ["--model_name_or_path", "builtin:gpt2-tiny", "--output_dir", str(out), *args],
-                      timeout=240)
+                      timeout=240, real=True)  # the launcher's own summary is part of what the user sees
     assert result.returncode != 0
     ours = [line for line in result.stderr.splitlines() if line.startswith("hftk")]
     assert len(ours) == 1 and ours[0].startswith("hftk: error: ") and named in ours[0], result.stderr[-3000:]

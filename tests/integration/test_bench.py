@@ -5,13 +5,13 @@ number, every bench run monitored on every rank."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 from hftk.bench.cli import BENCHES, available
 from hftk.bench.report import numeric_leaves, unmeasured
-from tests.helpers import require_ranks, run
+from hftk.bench.startup import PHASES as STARTUP_PHASES
+from tests.helpers import python, require_ranks
 
 REDUCED = [
     "--model", "builtin:gpt2-tiny", "--block_size", "64", "--nproc", "2",
@@ -26,6 +26,7 @@ REDUCED = [
     "--set", "pipeline.n_layer=4", "--set", "pipeline.n_embd=64",
     "--set", "memory.steps=2", "--set", "memory.strategies=ddp,fsdp",
     "--set", "data.examples=40", "--set", "data.min_words=4", "--set", "data.max_words=40",
+    "--set", "startup.nprocs=2", "--set", "startup.repeats=1",
 ]
 
 
@@ -33,7 +34,7 @@ REDUCED = [
 def report(tmp_path_factory):
     require_ranks(2)  # --nproc 2
     out = tmp_path_factory.mktemp("bench") / "report"
-    result = run([sys.executable, "-m", "hftk.cli", "bench", "all", "--out", str(out), *REDUCED], timeout=900)
+    result = python(["-m", "hftk.cli", "bench", "all", "--out", str(out), *REDUCED], timeout=900)
     return out, result
 
 
@@ -92,6 +93,14 @@ def test_every_figure_is_a_finite_measured_number(report):
     data = benches["data"]["modes"]
     assert data["bfd"]["padding_share"] < data["none"]["padding_share"] < data["pad-to-block"]["padding_share"]
     assert data["none"]["eval_loss"] == pytest.approx(data["pad-to-block"]["eval_loss"], abs=1e-5)  # padding is exact
+    startup = benches["startup"]
+    timed = {r["variant"]: r["seconds"] for r in startup["runs"]}
+    assert set(timed["hftk"]) == {*STARTUP_PHASES, "total"}  # every phase hftk marks, from its own record
+    assert set(timed["plain"]) == {*STARTUP_PHASES, "total"} - {"prepare"}  # the plain script validates nothing
+    for seconds in timed.values():  # phases add up to the time from process start to the first step
+        assert sum(v for k, v in seconds.items() if k != "total") == pytest.approx(seconds["total"], abs=0.01)
+    assert startup["by_nproc"]["2"]["ratio"]["median"] == pytest.approx(
+        timed["hftk"]["total"] / timed["plain"]["total"], rel=1e-9)
 
 
 @pytest.mark.slow

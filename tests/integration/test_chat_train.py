@@ -46,8 +46,8 @@ def conversations() -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every run, preprocessed ones included (``hftk preprocess`` once, then a 1-process and a 2-rank ddp
-    run read its blocks instead of tokenising): the one-process runs share one launch, the 2-rank runs
-    one launch per engine (``tests.helpers.finetune_cells``). Returns (root, data, each run's output)."""
+    run read its blocks instead of tokenising), each on warm ranks (``tests.helpers.finetune_cells``).
+    Returns (root, data, each run's output)."""
     from hftk.cli import main as hftk
     from tests.helpers import TINY_ARGS
 

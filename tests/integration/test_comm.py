@@ -4,13 +4,12 @@ bytes measured, hierarchical equals flat, gradient accumulation and exact resume
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 
 from hftk.comm.register import state_path
-from tests.helpers import FINETUNE, ROOT, finetune_cells, load_weights, losses, max_weight_diff, metrics, run, torchrun
+from tests.helpers import FINETUNE, ROOT, finetune_cells, load_weights, losses, max_weight_diff, metrics, python, torchrun
 from tests.netns import run_on_two_hosts
 
 HOOKS = ("none", "fp16", "bf16", "powersgd", "topk")
@@ -125,7 +124,7 @@ def test_hierarchical_allreduce_equals_flat(hierarchical):
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
     """The real Trainer path: PowerSGD over 13 buckets with gradient accumulation 2,
-    checkpoint at step 4, then a resume from a copy of that checkpoint (both in one launch)."""
+    checkpoint at step 4, then a resume from a copy of that checkpoint."""
     root = tmp_path_factory.mktemp("trainer")
     common = ["--max_steps", "8", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
               "--grad_compression", "powersgd", "--powersgd_warmup_steps", "2", "--check_sync_steps", "1",
@@ -173,7 +172,7 @@ def test_trainer_resume_with_compression_state_is_exact(trainer_runs):
 
 def test_cli_prints_one_line_and_exits_2(tmp_path):
     out = tmp_path / "out"
-    result = run([sys.executable, str(FINETUNE), "--output_dir", str(out), "--grad_compression", "topk",
+    result = python([str(FINETUNE), "--output_dir", str(out), "--grad_compression", "topk",
                   "--strategy", "zero2"], timeout=120)
     lines = [line for line in result.stderr.splitlines() if line.strip() and "Setting accelerator" not in line]
     assert result.returncode == 2 and len(lines) == 1, result.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, free_port, require_ranks, run
+from tests.helpers import ROOT, free_port, python, require_ranks, run
 from tests.unit.test_launch import CONFIGS, _deepspeed_env
 
 ACCELERATE = Path(sys.executable).with_name("accelerate")
@@ -29,7 +29,7 @@ def test_ddp_yaml_really_starts_two_gloo_ranks():
 
 def test_configs_command_writes_other_layouts(tmp_path):
     out = tmp_path / "cfg"
-    result = run([sys.executable, "-m", "hftk.cli", "configs", "--out", str(out), "--procs_per_node", "4"], timeout=120)
+    result = python(["-m", "hftk.cli", "configs", "--out", str(out), "--procs_per_node", "4"], timeout=120)
     assert result.returncode == 0, result.output
     import yaml
 
@@ -42,7 +42,7 @@ def test_configs_command_writes_other_layouts(tmp_path):
 @pytest.mark.parametrize("args,field", [(["--nodes", "2"], "--main_process_ip"), (["--nodes", "0"], "--nodes"),
                                         (["--procs_per_node", "0"], "--procs_per_node")])
 def test_configs_command_bad_layout_is_one_line(args, field, tmp_path):
-    result = run([sys.executable, "-m", "hftk.cli", "configs", "--out", str(tmp_path / "c"), *args], timeout=120)
+    result = python(["-m", "hftk.cli", "configs", "--out", str(tmp_path / "c"), *args], timeout=120)
     lines = [line for line in result.stderr.splitlines() if line.strip() and "Setting accelerator" not in line]
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"hftk: error: {field}"), result.stderr
     assert not (tmp_path / "c").exists()
@@ -52,7 +52,7 @@ def test_contradiction_stops_a_real_run_before_anything_starts(tmp_path):
     """Through finetune.py: exit 2, one line, nothing written."""
     out = tmp_path / "out"
     env = {**os.environ, **_deepspeed_env("zero3")}
-    result = run([sys.executable, str(ROOT / "scripts" / "finetune.py"), "--output_dir", str(out), "--strategy",
+    result = python([str(ROOT / "scripts" / "finetune.py"), "--output_dir", str(out), "--strategy",
                   "fsdp"], timeout=120, env=env)
     lines = [line for line in result.stderr.splitlines() if line.strip() and "Setting accelerator" not in line]
     assert result.returncode == 2 and len(lines) == 1 and "strategy.strategy" in lines[0], result.stderr

@@ -8,14 +8,13 @@ match it.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import (TINY_ARGS, finetune_cells, load_weights, losses, max_weight_diff, metrics, plain_reference,
-                           run)
+                           python)
 
 STEPS = 10
 CLIP = ["--max_grad_norm", "0.5"]
@@ -43,7 +42,7 @@ RESUMED = ("zero1", "zero2", "zero3")  # each continued from its own checkpoint-
 def launched(tmp_path_factory):
     """``launched(name)`` -> output folder of run ``name`` (``<strategy>_resume`` for the resumed runs;
     ``single``: the plain reference). The first use runs them all: the reference, then every 2-rank run
-    in one launch (``finetune_cells``)."""
+    (``finetune_cells``)."""
     root = tmp_path_factory.mktemp("deepspeed")
     done: set[str] = set()
 
@@ -185,7 +184,7 @@ def test_export_of_zero3_checkpoint_gives_the_live_eval_loss(launched, tmp_path)
     live = [m["eval_loss"] for m in metrics(run_dir) if "eval_loss" in m and m["step"] == STEPS]
     assert live, "the run evaluated its final model"
     out = tmp_path / "exported"
-    result = run([sys.executable, "-m", "hftk.cli", "export", str(run_dir / f"checkpoint-{STEPS}"), str(out)],
+    result = python(["-m", "hftk.cli", "export", str(run_dir / f"checkpoint-{STEPS}"), str(out)],
                  timeout=300)
     assert result.returncode == 0, result.output
     assert "(deepspeed-zero)" in result.stdout

@@ -3,11 +3,10 @@ checkpoints are never overwritten."""
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 
-from tests.helpers import FINETUNE, run
+from tests.helpers import FINETUNE, python
 from tests.unit.test_errors import _one_error_line
 
 
@@ -15,7 +14,7 @@ from tests.unit.test_errors import _one_error_line
                                         (["--block_size", "4096"], "data.block_size")])
 def test_bad_input_through_the_script(args, field, tmp_path):
     """The real entry point: exit status 2, a single line, no traceback."""
-    result = run([sys.executable, str(FINETUNE), "--output_dir", str(tmp_path / "out"), *args], timeout=120)
+    result = python([str(FINETUNE), "--output_dir", str(tmp_path / "out"), *args], timeout=120)
     assert result.returncode == 2, result.output
     assert field in _one_error_line(result.stderr)
     assert "Traceback" not in result.output
@@ -27,7 +26,7 @@ def test_existing_checkpoints_are_never_overwritten(tmp_path):
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text("{}")
     before = sorted(p.name for p in out.rglob("*"))
-    result = run([sys.executable, str(FINETUNE), "--output_dir", str(out)], timeout=120)
+    result = python([str(FINETUNE), "--output_dir", str(out)], timeout=120)
     assert result.returncode == 2 and "training.output_dir" in result.stderr
     assert "--resume_from_checkpoint latest" in result.stderr
     assert sorted(p.name for p in out.rglob("*")) == before

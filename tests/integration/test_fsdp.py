@@ -14,14 +14,13 @@ Runs, shared by the module fixture (tiny tied GPT-2, fp32, clipping at 1.0 every
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import (FINETUNE, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, metrics,
-                           plain_reference, run)
+                           plain_reference, python)
 
 STEPS = 12
 COMMON = ["--max_steps", str(STEPS), "--max_grad_norm", "1.0", "--per_device_train_batch_size", "4",
@@ -173,7 +172,7 @@ ERRORS = [
 @pytest.mark.parametrize("case_id,args,env,field", ERRORS, ids=[c[0] for c in ERRORS])
 def test_bad_combination_is_one_clear_line(case_id, args, env, field, tmp_path):
     out = tmp_path / "out"
-    result = run([sys.executable, str(FINETUNE), *TINY_ARGS, "--output_dir", str(out), *args], timeout=120, env=env)
+    result = python([str(FINETUNE), *TINY_ARGS, "--output_dir", str(out), *args], timeout=120, env=env)
     assert result.returncode == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip() and "Setting accelerator" not in line]
     assert len(lines) == 1 and lines[0].startswith("hftk: error: ") and field in lines[0], result.stderr

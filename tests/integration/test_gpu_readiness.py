@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import ROOT, finetune, run
+from tests.helpers import ROOT, finetune, python, run
 
 
 def _fake_nvidia_smi(folder):
@@ -81,7 +81,7 @@ def test_gpu_check_layouts_build_and_step_every_multi_rank_layout_on_one_device(
     """gpu_check's layout rows on this host's device, fp32: tp2 x fsdp2, cp2 x tp2, sp2 (fake process group,
     hftk's own layout code and mesh-loop step) and pp2 (hftk's 2-stage cut under torch's schedule), each
     row passing only with a finite loss, every parameter moved and the promised DTensor placements."""
-    result = run([sys.executable, str(ROOT / "scripts" / "gpu_check_layouts.py"), "--dtypes", "fp32"], timeout=900)
+    result = python([str(ROOT / "scripts" / "gpu_check_layouts.py"), "--dtypes", "fp32"], timeout=900)
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "fp32" in line]
     assert result.returncode == 0, result.output[-4000:]
     assert [r.split("|")[1].strip() for r in rows] == ["tp2 x fsdp2", "cp2 x tp2", "sp2", "pp2"], result.stdout
@@ -119,7 +119,7 @@ def test_gpu_check_throughput_model_folder_trains_with_the_run_s_options(tmp_pat
     from transformers import AutoConfig
 
     folder = tmp_path / "llama"
-    made = run([sys.executable, str(ROOT / "scripts" / "gpu_check_model.py"), str(folder), "--tiny"], timeout=300)
+    made = python([str(ROOT / "scripts" / "gpu_check_model.py"), str(folder), "--tiny"], timeout=300)
     assert made.returncode == 0, made.output[-3000:]
     config = AutoConfig.from_pretrained(folder)
     assert (config.model_type, config.num_key_value_heads, str(config.dtype)) == ("llama", 2, "torch.bfloat16")

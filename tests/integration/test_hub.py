@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ import yaml
 from hftk.hub import MODEL_PATTERNS, folder_files
 from hftk.run_record import CARD_FILE, RUN_FILE
 from tests.faults import REPO, TOKEN, hub_env, hub_server, reference_run
-from tests.helpers import TINY_ARGS, load_weights, max_weight_diff, metrics, run
+from tests.helpers import TINY_ARGS, load_weights, max_weight_diff, metrics, python
 
 pytestmark = pytest.mark.slow
 AFTER_THE_FACT = "hftk-test/checkpoint-15"
@@ -30,7 +29,7 @@ AFTER_THE_FACT = "hftk-test/checkpoint-15"
 def pushed(tmp_path_factory):
     out, result = reference_run(tmp_path_factory.getbasetemp())
     hub = hub_server()
-    cli = run([sys.executable, "-m", "hftk.cli", "push", str(out / "checkpoint-15"), AFTER_THE_FACT,
+    cli = python(["-m", "hftk.cli", "push", str(out / "checkpoint-15"), AFTER_THE_FACT,
                "--retry_backoff_s", "0.1"], timeout=300, env=hub_env(hub))
     return out, result, hub, cli
 

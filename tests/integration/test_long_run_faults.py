@@ -16,7 +16,8 @@ import pytest
 
 from hftk.bench.launch import torchrun_command
 from hftk.checkpoint import STAGING_DIR, list_checkpoints, resolve_resume
-from tests.helpers import FINETUNE, ROOT, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, run, torchrun
+from tests.helpers import (FINETUNE, ROOT, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, rank_exit_codes, run,
+                           torchrun)
 
 WORKERS = ROOT / "tests" / "workers"
 FULL_BYTES = 300_000  # the tiny model's weights (~1 MB) and optimizer state no longer fit; its RNG files do
@@ -27,16 +28,16 @@ TP = ["--strategy", "tp", "--tp_size", "2", "--model_name_or_path", "builtin:lla
 
 
 def assert_stopped_by_a_full_disk(result, out) -> None:
-    """Ranks exit 2 (torchrun then fails with 1 and its own summary), hftk's line once (the folder, the
-    bytes needed) and no traceback before that summary; checkpoint-5 still complete and latest."""
-    assert result.returncode != 0 and "failed (exitcode: 2)" in result.output, result.output[-5000:]
+    """Ranks exit 2 (the launch then fails with 1), hftk's line once (the folder, the bytes needed) and no
+    traceback; checkpoint-5 still complete and latest."""
+    assert result.returncode != 0 and 2 in rank_exit_codes(result).values(), result.output[-5000:]
     lines = [line for line in result.output.splitlines() if line.startswith("hftk: error")]
     assert len(lines) == 1, result.output[-5000:]
     assert re.search(rf"saving {re.escape(str(out / 'checkpoint-10'))} failed: a file outgrew the file size limit "
                      rf"\(RLIMIT_FSIZE: {FULL_BYTES} bytes per file\)\. It needs about \d+ bytes \(the size of "
                      r"checkpoint-5\)", lines[0]), lines[0]
     assert "checkpoint-5 is intact and still the latest" in lines[0]
-    assert "Traceback" not in result.output.split("/torch/distributed/elastic/")[0], result.output[-5000:]
+    assert "Traceback" not in result.output, result.output[-5000:]
     assert [c.name for c in list_checkpoints(out)] == ["checkpoint-5"]
     assert not (out / STAGING_DIR).exists() and not (out / "checkpoint-10").exists()
     assert resolve_resume(out, "latest") == str(out / "checkpoint-5")

@@ -4,8 +4,7 @@ adapter and the merged export reload at the live eval loss, the Hub gets the ada
 merged model with a card naming the base, the plan counts only the adapters (the in-process checks:
 tests/unit/test_lora.py).
 
-Runs, shared by the module fixture (the 2-rank runs of one engine share one launch:
-``tests.helpers.finetune_cells``) (tiny tied GPT-2, dropout off, r=8 on the default
+Runs, shared by the module fixture (each on warm ranks: ``tests.helpers.finetune_cells``) (tiny tied GPT-2, dropout off, r=8 on the default
 targets c_attn/c_proj/c_fc, 10 steps at global batch 8, clipping 1.0, checkpoints at 5 and 10,
 a final evaluation with eval batch 1 so two ranks average exactly what one process does):
 
@@ -65,8 +64,7 @@ pytestmark = pytest.mark.timeout(1800)  # the first slow test launches every run
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three launches: the reference, then the runs of each engine sharing one launch (the Trainer's
-    strategies and the resume, then the pipeline loop)."""
+    """The reference, then every 2-rank run (the Trainer's strategies, the resume, the pipeline loop)."""
     root = tmp_path_factory.mktemp("lora")
     with HubServer(token=TOKEN) as hub:
         finetune(1, [*LORA, "--per_device_train_batch_size", "8", "--output_dir", str(root / "single")])

@@ -4,14 +4,12 @@ is refused before launch, exactly as ``hftk.support.expected`` says (the table t
 The models are made here from each family's default config (small sizes) with ``save_pretrained``,
 as a user's own folder would be, not hftk's built-ins. A refusal is found in-process by
 ``hftk.run.prepare`` (validation, before any process group, as ``hftk train`` runs it). Every cell
-that passes validation runs for real on 2 gloo ranks for 2 optimizer steps; to stay cheap, the cells
-of one launch group share one launch (``tests.helpers.launch_group``; tests/workers/matrix_cells.py:
-prepare + the strategy's engine, one cell after another in the same process group): 3 launches for ~80 runs.
+that passes validation runs for real on 2 gloo ranks for 2 optimizer steps, each ``scripts/finetune.py``
+on warm ranks of its own (tests/warm.py: forked from a process that has the imports done).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -21,12 +19,11 @@ import pytest
 
 from hftk.families import FAMILIES
 from hftk.support import STRATEGIES, Refusal, expected
-from tests.helpers import ROOT, TWO_RANKS, launch_group, losses, make_family, torchrun
+from tests.helpers import FINETUNE, TWO_RANKS, losses, make_family, torchrun
 
 # The first ZeRO-3 offload cell builds DeepSpeed's cpu_adam op once per machine (minutes, cached after).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-WORKER = ROOT / "tests" / "workers" / "matrix_cells.py"
 COMMON = ["--model_dropout", "0", "--block_size", "32", "--max_train_samples", "200", "--max_steps", "2",
           "--per_device_train_batch_size", "2", "--lr_scheduler_type", "constant", "--learning_rate", "1e-3",
           "--warmup_steps", "0", "--logging_steps", "1", "--eval_fraction", "0", "--eval_strategy", "no",
@@ -88,24 +85,19 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
                         outcomes[(strategy, family, lora)] = refused
                     else:
                         cells.append({"name": out.name, "argv": argv, "key": (strategy, family, lora), "out": out})
-    launches: dict[str, float] = {}
-    for group in sorted({launch_group(c["key"][0]) for c in cells}):
-        spec = root / f"{group}.json"
-        spec.write_text(json.dumps({"out": str(root), "cells": [{"name": c["name"], "argv": c["argv"]}
-                                                                 for c in cells if launch_group(c["key"][0]) == group]}))
-        launch_start = time.perf_counter()
-        result = torchrun(2, WORKER, [str(spec)], timeout=900)
-        launches[group] = time.perf_counter() - launch_start
-        assert result.returncode == 0, f"matrix launch ({group}) failed:\n{result.output[-8000:]}"
+    launched = time.perf_counter()
+    for cell in cells:
+        result = torchrun(2, FINETUNE, cell["argv"], timeout=900)
+        assert result.returncode == 0, f"matrix cell {cell['name']} failed:\n{result.output[-8000:]}"
+    launched = time.perf_counter() - launched
     for cell in cells:
         logged = losses(cell["out"])
         assert len(logged) == 2 and all(math.isfinite(v) for v in logged.values()), (cell["name"], logged)
         check_final(cell["out"] / "final", models[cell["key"][1]], cell["key"][2])
         outcomes[cell["key"]] = "trains"
-    summary = (f"\nmatrix: {len(cells)} cells trained (one 2-rank launch per launch group), {len(outcomes) - len(cells)} "
-               f"refused before launch; {time.perf_counter() - start:.0f} s in all, launches: "
-               + ", ".join(f"{engine} {seconds:.0f} s" for engine, seconds in launches.items())
-               + f"\n{render_outcomes(outcomes)}")
+    summary = (f"\nmatrix: {len(cells)} cells trained (2 warm ranks each, {launched:.0f} s), "
+               f"{len(outcomes) - len(cells)} refused before launch; {time.perf_counter() - start:.0f} s in all"
+               f"\n{render_outcomes(outcomes)}")
     capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled():  # shown in the test output, as capsys.disabled() does
         print(summary, flush=True)

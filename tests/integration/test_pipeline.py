@@ -14,13 +14,12 @@ the resume, one 4-rank pp x dp launch.
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 
 from tests.helpers import (FINETUNE, TINY_ARGS, finetune_cells, load_weights, losses, max_weight_diff, metrics,
-                           plain_reference, run)
+                           plain_reference, python)
 from tests.faults import hub_env
 from tests.unit.strategies.test_pipeline import MODELS, PIPE
 
@@ -185,7 +184,7 @@ def test_export_reloads_with_reference_eval_loss(runs, tmp_path):
 
 def test_cli_prints_one_line_and_exits_2(tmp_path):
     """gpt2-tiny has 2 blocks: 2 ranks x 2 virtual stages cannot be cut from it."""
-    bad = run([sys.executable, str(FINETUNE), *TINY_ARGS, *PIPE, "--pp_schedule", "interleaved_1f1b",
+    bad = python([str(FINETUNE), *TINY_ARGS, *PIPE, "--pp_schedule", "interleaved_1f1b",
                "--output_dir", str(tmp_path / "out2")], timeout=120, env={"WORLD_SIZE": "2"})
     lines = [x for x in bad.stderr.splitlines() if x.strip() and "Setting accelerator" not in x]
     assert bad.returncode == 2 and len(lines) == 1, bad.stderr

@@ -28,8 +28,7 @@ def measured(tmp_path_factory):
 
     `accelerate launch` of each YAML starts tests/workers/launch_probe.py (2 real ranks report the strategy
     hftk reads and hand back the ACCELERATE_* / FSDP_* variables the launch set); the six measured runs then
-    share one 2-rank launch, each cell with its YAML's variables (``finetune_cells``): a full launch per
-    strategy cost 20-60 s of start-up each."""
+    run on warm ranks, each cell with its YAML's variables (``finetune_cells``)."""
     root = tmp_path_factory.mktemp("plan")
     probes, options, cells = {}, {}, {}
     for strategy in PLAN_STRATEGIES:

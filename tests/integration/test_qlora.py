@@ -3,8 +3,8 @@ process's run of the same options within the LoRA suite's tolerance (tests/integ
 saved adapter loads with ``PeftModel.from_pretrained`` onto the quantized base and gives the run's own
 final eval loss (what does not run is refused before launch by name: tests/unit/test_lora.py).
 
-Two launches share the work (tests/workers/matrix_cells.py runs several runs in one process group):
-one process x batch 8 (the references), then 2 ranks x 4 (ddp, fsdp). Tiny GPT-2 (transformers swaps
+Each run is its own warm launch (tests/warm.py): one process x batch 8 (the references), then 2 ranks
+x 4 (ddp, fsdp). Tiny GPT-2 (transformers swaps
 its Conv1D layers for bitsandbytes ``Linear4bit``, so PEFT's LoRA runs without ``fan_in_fan_out``)
 and tiny Llama, dropout off, r=8 on the default targets, 4 steps at lr 5e-3, AdamW epsilon 1e-4 (see
 tests/integration/test_lora.py for why), clipping 1.0, eval batch 1 so two ranks average what one process does.
@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY_ARGS, losses, metrics, require_ranks, tiny_eval_loss, torchrun
+from tests.helpers import FINETUNE, TINY_ARGS, losses, metrics, require_ranks, tiny_eval_loss, torchrun
 
-WORKER = ROOT / "tests" / "workers" / "matrix_cells.py"
 STEPS = 4
 EVAL_BLOCKS = 16
 COMMON = ["--lora_r", "8", "--learning_rate", "5e-3", "--adam_epsilon", "1e-4", "--max_steps", str(STEPS),
@@ -46,19 +45,19 @@ def argv(case: str, strategy: str | None, out: Path) -> list[str]:
     return [*TINY_ARGS, *COMMON, *options, *batch, "--output_dir", str(out)]
 
 
-def launch(nproc: int, cells: list[dict], root: Path, name: str) -> None:
-    spec = root / f"{name}.json"
-    spec.write_text(json.dumps({"out": str(root), "cells": cells}))
-    result = torchrun(nproc, WORKER, [str(spec)], timeout=900)
-    assert result.returncode == 0, f"{name} launch failed:\n{result.output[-8000:]}"
+def launch(nproc: int, argv: list[str], name: str) -> None:
+    result = torchrun(nproc, FINETUNE, argv, timeout=900)
+    assert result.returncode == 0, f"{name} failed:\n{result.output[-8000:]}"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     require_ranks(2)
     root = tmp_path_factory.mktemp("qlora")
-    launch(1, [{"name": f"single-{c}", "argv": argv(c, None, root / f"single-{c}")} for c in CASES], root, "single")
-    launch(2, [{"name": f"{s}-{c}", "argv": argv(c, s, root / f"{s}-{c}")} for c, s in PAIRS], root, "two")
+    for c in CASES:
+        launch(1, argv(c, None, root / f"single-{c}"), f"single-{c}")
+    for c, s in PAIRS:
+        launch(2, argv(c, s, root / f"{s}-{c}"), f"{s}-{c}")
     return root
 
 
@@ -79,10 +78,12 @@ def test_losses_match_single_process(runs, case, strategy):
 
 
 def quantized_base(case: str):
-    """The base of ``case`` quantized as the run loaded it (transformers' BitsAndBytesConfig, CPU)."""
+    """The base of ``case`` quantized as the run loaded it (transformers' BitsAndBytesConfig, CPU; 4-bit layers
+    evaluated with the kernel they train with, as hftk's ``load_model`` keeps them)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from hftk.builtin import materialize_model
+    from hftk.modeling import evaluate_4bit_as_trained
 
     options, _ = CASES[case]
     model = materialize_model(options[1])
@@ -91,7 +92,9 @@ def quantized_base(case: str):
     else:
         config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
                                     bnb_4bit_use_double_quant="--bnb_4bit_use_double_quant" not in options)
-    return AutoModelForCausalLM.from_pretrained(model, quantization_config=config, device_map={"": "cpu"})
+    base = AutoModelForCausalLM.from_pretrained(model, quantization_config=config, device_map={"": "cpu"})
+    evaluate_4bit_as_trained(base)
+    return base
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, free_port, run
+from tests.helpers import ROOT, free_port, python
 
 
 @pytest.mark.slow
@@ -15,7 +15,7 @@ def test_flops_per_token_counts_zero3_partitioned_parameters_whole():
     """Under ZeRO-3 every rank holds 0 elements of each parameter; MFU must still count the full model."""
     import json
 
-    result = run([sys.executable, str(ROOT / "tests" / "workers" / "zero3_flops.py")], timeout=600,
+    result = python([str(ROOT / "tests" / "workers" / "zero3_flops.py")], timeout=600,
                  env={"MASTER_PORT": str(free_port())})
     line = next((ln for ln in result.stdout.splitlines() if ln.startswith("FLOPS ")), None)
     assert result.returncode == 0 and line, result.output[-4000:]
@@ -43,7 +43,6 @@ def test_peak_memory_window_resets_and_sees_a_big_allocation():
     """In a fresh process: in this one, an earlier test (tokenising a 5 MB row) leaves free heap
     memory still resident, which a new 64 MiB block can reuse without raising the resident set."""
     import subprocess
-    import sys
 
     result = subprocess.run([sys.executable, "-c", PEAK_WINDOW], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -58,6 +58,21 @@ def test_messages_are_detected_padded_per_batch_and_labelled_on_assistant_turns(
     assert (batch["labels"][1][batch["attention_mask"][1] == 0] == IGNORE_INDEX).all()
 
 
+@pytest.mark.parametrize("multiple", [None, 8, 64])
+def test_unpacked_rows_are_padded_exactly_as_trls_collator_pads_them(multiple):
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    rows_ = [{"input_ids": torch.arange(3, 3 + n), "labels": torch.tensor([IGNORE_INDEX] * 2 + list(range(n - 2)))}
+             for n in (5, 11, 2 + 1)]
+    cfg = DataConfig(packing="none", pad_to_multiple_of=multiple)
+    got = collator(cfg, pad_id=0)(rows_)
+    want = DataCollatorForLanguageModeling(pad_token_id=0, pad_to_multiple_of=multiple)(
+        [{k: v.tolist() for k, v in r.items()} for r in rows_])
+    assert list(got) == list(want)  # the same keys, in the same order
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+
+
 def test_train_on_prompt_labels_the_prompt_turns(tmp_path):
     data = write_jsonl(tmp_path / "chat.jsonl", [chat_row(system="Sei kurz.")])
     _, tokenizer, train = blocks([*CHAT, "--dataset", data, "--train_on_prompt"], tmp_path)

@@ -1,0 +1,61 @@
+"""The warm-rank harness (tests/warm.py) that most multi-process tests run on: a cell is as fresh as a
+launch (nothing an earlier cell left behind changes it), and a cell that hangs or crashes is killed
+with its ranks and reported with its output while the next cell still runs."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from tests.helpers import ROOT, TINY_ARGS, finetune, losses, rank_exit_codes, torchrun
+
+pytestmark = pytest.mark.slow
+MISBEHAVE = ROOT / "tests" / "workers" / "misbehave.py"
+SHORT = ["--max_steps", "3", "--attn_implementation", "sdpa"]
+
+
+def test_a_cell_is_not_changed_by_what_an_earlier_cell_left_behind(tmp_path):
+    first = tmp_path / "first"
+    finetune(2, [*SHORT, "--output_dir", str(first)])
+    dirty = tmp_path / "dirty"
+    polluted = torchrun(2, MISBEHAVE, ["pollute", *TINY_ARGS, *SHORT, "--output_dir", str(dirty)], timeout=300)
+    assert polluted.returncode == 0, polluted.output[-4000:]
+    assert polluted.stdout.count("polluted rank") == 2
+    # what it left behind does change a run: the same cell computed under it differs
+    assert max(abs(losses(dirty)[s] - losses(first)[s]) for s in (1, 2, 3)) > 0.05, (losses(dirty), losses(first))
+    again = tmp_path / "again"
+    finetune(2, [*SHORT, "--output_dir", str(again)])
+    assert losses(again) == losses(first)  # bit for bit, as a fresh launch
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("mode", ["hang", "crash"])
+def test_a_hung_or_crashed_cell_is_killed_with_its_ranks_and_the_next_cell_runs(mode, tmp_path):
+    started = time.monotonic()
+    if mode == "hang":
+        with pytest.raises(AssertionError, match=r"warm launch timed out after 20s") as failed:
+            torchrun(2, MISBEHAVE, ["hang"], timeout=20)
+        output = str(failed.value)
+    else:
+        result = torchrun(2, MISBEHAVE, ["crash"], timeout=120)
+        assert result.returncode == 1  # torchrun's status when a worker failed
+        output = result.output
+        assert "RuntimeError: rank 1 fails on purpose" in output
+        assert rank_exit_codes(result)[1] == 1, output  # rank 0 exits on its own or by the supervisor's SIGTERM
+    assert time.monotonic() - started < 60
+    pids = [int(p) for p in re.findall(r"rank \d pid (\d+)", output)]
+    assert len(pids) == 2, output  # its output came back, both ranks' lines
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "a rank outlived its cell"
+    finetune(2, ["--max_steps", "1", "--output_dir", str(tmp_path / "next")])
