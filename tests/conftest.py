@@ -30,12 +30,14 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _warm_server(request):
-    """The warm-rank server for the suite's own environment (tests/warm.py), started before the first test
-    when any multi-process test was collected, so its imports overlap the first tests; stopped with the session."""
+    """The warm-rank servers for the suite's own environment (tests/warm.py), started before the first test
+    when any multi-process test was collected, so their imports overlap the first tests; stopped with the
+    session."""
     from tests import warm
 
     if any("/integration/" in item.nodeid or item.nodeid.startswith("integration/") for item in request.session.items):
         warm.server_for(warm.cell_env())
+        warm.server_for(warm.cell_env(), plain=True)  # the references' (tests.helpers.plain_reference)
     yield
     warm.shutdown()
 

@@ -183,7 +183,9 @@ def hub_server() -> HubServer:
 
 @functools.cache
 def reference_run(base: Path) -> tuple[Path, Launch]:
-    """The uninterrupted 2-rank DDP run every fault is compared with; it pushes each save to the Hub."""
+    """The uninterrupted 2-rank DDP run every fault is compared with; it pushes each save to the Hub. A real
+    launch, like the faulted runs: test_the_previous_checkpoint_was_left_intact compares their RNG files
+    byte for byte, and a warm rank's Python RNG state at checkpoint-5 differed from a launched one's."""
     out = base / "reference"
     hub = hub_server()
     args = [*RUN_ARGS, "--push_to_hub", "--hub_model_id", REPO, "--hub_strategy", "checkpoint",

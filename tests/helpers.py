@@ -276,16 +276,17 @@ GPT2_SIZES = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}
 TWO_RANKS = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
 
 
-def make_family(model_type: str, folder: Path) -> Path:
+def make_family(model_type: str, folder: Path, **sizes_given: int) -> Path:
     """A small model of ``model_type`` from its default config (dropout, tying, sliding window as
-    the family ships them), seeded weights and a tokenizer, saved as a user's folder would be."""
+    the family ships them), seeded weights and a tokenizer, saved as a user's folder would be;
+    ``sizes_given`` replace the small default sizes."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from hftk.builtin import materialize_model
 
     tokenizer = AutoTokenizer.from_pretrained(materialize_model("builtin:gpt2-tiny"))
-    sizes = dict(GPT2_SIZES if model_type == "gpt2" else SIZES)
+    sizes = {**(GPT2_SIZES if model_type == "gpt2" else SIZES), **sizes_given}
     if model_type == "gpt_neox":
         sizes.pop("num_key_value_heads")
     config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,

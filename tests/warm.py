@@ -13,8 +13,9 @@ patched module, an environment variable, an SDPA entry) reaches the next cell.
 Libraries read some variables once, at import (``HF_ENDPOINT``, ``HF_HUB_OFFLINE``, glibc's
 ``MALLOC_*``): a cell whose environment differs from the test process's in anything but the
 launcher's variables and those read when a run uses them (hftk's ``HFTK_*``, accelerate's
-``ACCELERATE_*`` / ``FSDP_*``, read when its state is built) gets a server started with that
-environment (one per distinct difference, kept for the session).
+``ACCELERATE_*`` / ``FSDP_*``, read when its state is built, wandb's ``WANDB_*``, read by ``wandb.init``,
+torch's ``PYTORCH_NVML_BASED_CUDA_CHECK``, read when CUDA is asked for; pytest's own) gets a server
+started with that environment (one per distinct difference, kept for the session).
 
 Launch behaviour itself (the README's commands, ``accelerate launch`` guards, elastic restarts,
 SIGKILL / SIGTERM, multi-node, SLURM) keeps the real launchers; everything else runs here.
@@ -23,6 +24,7 @@ SIGKILL / SIGTERM, multi-node, SLURM) keeps the real launchers; everything else 
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import signal
@@ -46,9 +48,10 @@ LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
 # Everything a cell may import, imported once by the server (hftk's own modules are walked below).
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.pipelining",
            "torch.distributed.tensor.parallel", "torch.distributed.checkpoint", "transformers", "transformers.trainer",
-           "accelerate", "peft", "datasets", "deepspeed", "trl", "bitsandbytes", "safetensors.torch",
+           "accelerate", "peft", "datasets", "deepspeed", "trl", "trl.trainer.utils", "trl.trainer.sft_trainer",
+           "trl.data_utils", "bitsandbytes", "safetensors.torch", "rich.console",
            "huggingface_hub", "wandb", "torch.utils.tensorboard", "matplotlib.pyplot")
-READ_WHEN_USED = ("HFTK_", "ACCELERATE_", "FSDP_", "PYTEST_")  # pytest's: PYTEST_CURRENT_TEST
+READ_WHEN_USED = ("HFTK_", "ACCELERATE_", "FSDP_", "WANDB_", "PYTORCH_NVML_BASED_CUDA_CHECK", "PYTEST_")
 # A server for references that must owe nothing to hftk (tests/reference/plain.py checks that no hftk module
 # is loaded): the libraries only.
 PRELOAD_PLAIN = ("torch", "transformers", "transformers.trainer", "accelerate", "datasets", "safetensors.torch")
@@ -69,12 +72,32 @@ def preload(plain: bool) -> None:
 
     for name in PRELOAD_PLAIN if plain else PRELOAD:
         importlib.import_module(name)
-    if plain:
-        return
-    import hftk
+    if not plain:
+        import hftk
 
-    for info in pkgutil.walk_packages(hftk.__path__, "hftk."):
-        importlib.import_module(info.name)
+        for info in pkgutil.walk_packages(hftk.__path__, "hftk."):
+            importlib.import_module(info.name)
+    warm_up()
+    gc.freeze()  # what is here now is never collected: a cell's gc.collect() neither walks nor copies it
+
+
+def warm_up() -> None:
+    """A tiny GPT-2 and Llama saved, loaded back and run forward and backward with an attention mask (in a
+    temporary folder): the first ``from_pretrained`` (transformers' checkpoint conversion tables), the first
+    call of each kernel and of the mask builders cost a cell ~0.5 s otherwise. The RNG state this consumes
+    is the same for every cell, each of which seeds its own run."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    small = {"vocab_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    with tempfile.TemporaryDirectory() as folder:
+        for config in (GPT2Config(n_embd=16, n_positions=32, **small),
+                       LlamaConfig(hidden_size=16, intermediate_size=32, num_key_value_heads=1, **small)):
+            AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+            for attention in ("sdpa", "eager"):
+                model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention)
+                ids = torch.randint(0, 64, (2, 8))
+                model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
 
 
 def free_port() -> int:
@@ -143,10 +166,6 @@ def supervise(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> N
     conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
     nproc, store = request["nproc"], None
     port, run_id = free_port(), uuid.uuid4().hex
-    if request["launcher"]:
-        from torch.distributed import TCPStore
-
-        store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the agent's store
     pids = {}
     for rank in range(nproc):
         pid = os.fork()
@@ -154,6 +173,10 @@ def supervise(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> N
             conn.close()
             rank_main(request, rank, port, run_id, fds)
         pids[pid] = rank
+    if request["launcher"]:  # after the forks: no rank inherits the store's server thread (its clients retry)
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the agent's store
     codes: dict[int, int] = {}
     deadline = None
     while len(codes) < nproc:

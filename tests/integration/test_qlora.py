@@ -4,9 +4,11 @@ saved adapter loads with ``PeftModel.from_pretrained`` onto the quantized base a
 final eval loss (what does not run is refused before launch by name: tests/unit/test_lora.py).
 
 Each run is its own warm launch (tests/warm.py): one process x batch 8 (the references), then 2 ranks
-x 4 (ddp, fsdp). Tiny GPT-2 (transformers swaps
-its Conv1D layers for bitsandbytes ``Linear4bit``, so PEFT's LoRA runs without ``fan_in_fan_out``)
-and tiny Llama, dropout off, r=8 on the default targets, 4 steps at lr 5e-3, AdamW epsilon 1e-4 (see
+x 4 (ddp, fsdp). Tiny GPT-2 (transformers swaps its Conv1D layers for bitsandbytes ``Linear4bit``, so
+PEFT's LoRA runs without ``fan_in_fan_out``), tiny Llama, and a Llama made from its config whose MLP width
+(160) is not a multiple of 64, evaluated inside each run (4-bit under ddp and fsdp, 8-bit base and
+8-bit AdamW under ddp);
+dropout off, r=8 on the default targets, 4 steps at lr 5e-3, AdamW epsilon 1e-4 (see
 tests/integration/test_lora.py for why), clipping 1.0, eval batch 1 so two ranks average what one process does.
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FINETUNE, TINY_ARGS, losses, metrics, require_ranks, tiny_eval_loss, torchrun
+from tests.helpers import FINETUNE, TINY_ARGS, losses, make_family, metrics, require_ranks, tiny_eval_loss, torchrun
 
 STEPS = 4
 EVAL_BLOCKS = 16
@@ -27,11 +29,18 @@ COMMON = ["--lora_r", "8", "--learning_rate", "5e-3", "--adam_epsilon", "1e-4", 
           "--max_grad_norm", "1.0", "--per_device_eval_batch_size", "1", "--max_eval_samples", str(EVAL_BLOCKS)]
 GPT2, LLAMA = ["--model_name_or_path", "builtin:gpt2-tiny"], ["--model_name_or_path", "builtin:llama-tiny"]
 Q4 = ["--load_in_4bit"]
+# A Llama whose MLP width is not a multiple of 64 (bitsandbytes' quantization block), made in the fixture:
+# the shape bitsandbytes' packed CPU eval kernel could not take (hftk.modeling.evaluate_4bit_as_trained).
+ODD_SIZES = {"intermediate_size": 160, "num_hidden_layers": 4}
+ODD = ["--model_name_or_path", "<odd-llama>"]
 # name -> (options, strategies on 2 ranks); the reference is the same options in one process
 CASES = {
     "gpt2-4bit": ([*GPT2, *Q4], ("ddp", "fsdp")),
     "llama-4bit": ([*LLAMA, *Q4, "--bnb_4bit_use_double_quant", "false"], ("ddp", "fsdp")),
     "llama-8bit": ([*LLAMA, "--load_in_8bit"], ("ddp",)),
+    "odd-4bit": ([*ODD, *Q4], ("ddp", "fsdp")),
+    "odd-8bit": ([*ODD, "--load_in_8bit"], ("ddp",)),
+    "odd-adamw8bit": ([*ODD, "--lora_r", "0", "--optim", "adamw_bnb_8bit"], ("ddp",)),
     "gpt2-dora": ([*GPT2, "--use_dora", "--use_rslora"], ("ddp",)),
     "gpt2-adamw8bit": ([*GPT2, "--lora_r", "0", "--optim", "adamw_bnb_8bit"], ("ddp",)),  # full FT: 8-bit state
 }
@@ -42,6 +51,7 @@ def argv(case: str, strategy: str | None, out: Path) -> list[str]:
     options, _ = CASES[case]
     batch = ["--per_device_train_batch_size", "8"] if strategy is None else [
         "--strategy", strategy, "--per_device_train_batch_size", "4"]
+    options = [str(out.parent / "odd-llama") if o == ODD[1] else o for o in options]
     return [*TINY_ARGS, *COMMON, *options, *batch, "--output_dir", str(out)]
 
 
@@ -54,6 +64,7 @@ def launch(nproc: int, argv: list[str], name: str) -> None:
 def runs(tmp_path_factory):
     require_ranks(2)
     root = tmp_path_factory.mktemp("qlora")
+    make_family("llama", root / "odd-llama", **ODD_SIZES)
     for c in CASES:
         launch(1, argv(c, None, root / f"single-{c}"), f"single-{c}")
     for c, s in PAIRS:
@@ -77,7 +88,7 @@ def test_losses_match_single_process(runs, case, strategy):
                                                                          abs=1e-4)
 
 
-def quantized_base(case: str):
+def quantized_base(case: str, runs: Path):
     """The base of ``case`` quantized as the run loaded it (transformers' BitsAndBytesConfig, CPU; 4-bit layers
     evaluated with the kernel they train with, as hftk's ``load_model`` keeps them)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -86,7 +97,7 @@ def quantized_base(case: str):
     from hftk.modeling import evaluate_4bit_as_trained
 
     options, _ = CASES[case]
-    model = materialize_model(options[1])
+    model = runs / "odd-llama" if options[1] == ODD[1] else materialize_model(options[1])
     if "--load_in_8bit" in options:
         config = BitsAndBytesConfig(load_in_8bit=True)
     else:
@@ -98,14 +109,14 @@ def quantized_base(case: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,strategy", [("gpt2-4bit", "fsdp"), ("llama-8bit", "ddp")])
+@pytest.mark.parametrize("case,strategy", [("gpt2-4bit", "fsdp"), ("llama-8bit", "ddp"), ("odd-4bit", "fsdp")])
 def test_adapter_reloads_on_the_quantized_base_at_the_live_eval_loss(runs, case, strategy, tmp_path):
     from peft import PeftModel
 
     folder = runs / f"{strategy}-{case}" / "final"
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["fan_in_fan_out"] is False and config["r"] == 8
-    model = PeftModel.from_pretrained(quantized_base(case), str(folder))
+    model = PeftModel.from_pretrained(quantized_base(case, runs), str(folder))
     assert any(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules())
     assert tiny_eval_loss(model, tmp_path, EVAL_BLOCKS) == pytest.approx(final_eval_loss(folder.parent), abs=1e-4)
 

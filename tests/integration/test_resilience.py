@@ -21,7 +21,8 @@ from hftk.checkpoint import COMPLETE_MARKER, STAGING_DIR, is_complete, list_chec
 from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED
 from tests.faults import (RUN_ARGS, SAVE_STEPS, STEPS, fault_step, reference_run, side_by_side, start, wait_for_step,
                           worker_pid)
-from tests.helpers import Launch, ROOT, TINY_ARGS, free_port, load_weights, losses, max_weight_diff, metrics
+from tests.helpers import (FINETUNE, Launch, ROOT, TINY_ARGS, free_port, load_weights, losses, max_weight_diff, metrics,
+                           python, torchrun)
 
 pytestmark = pytest.mark.slow
 WORKERS = ROOT / "tests" / "workers"
@@ -78,7 +79,7 @@ def zero3_killed(tmp_path_factory):
     """ZeRO-3 (DeepSpeed shards in every checkpoint): an uninterrupted run, then rank 0 SIGKILLed at a step drawn from the fault seed."""
     root = tmp_path_factory.mktemp("zero3")
     args = [*RUN_ARGS, "--strategy", "zero3", "--max_steps", str(ZERO3_STEPS)]
-    reference = start(2, args, root / "reference").finish(timeout=600)
+    reference = torchrun(2, FINETUNE, [*args, "--output_dir", str(root / "reference")], timeout=600)
     assert reference.returncode == 0, reference.output[-6000:]
     kill_at, replay = fault_step("zero3_sigkill", 7, ZERO3_STEPS - 6)
     run = start(2, args, root / "killed", max_restarts=2)
@@ -138,7 +139,7 @@ def preempted(tmp_path_factory):
     os.kill(worker_pid(run, rank=1), signal.SIGTERM)
     stopped = run.finish(timeout=300)
     emergency = list_checkpoints(out)
-    resumed = start(2, [*args, "--resume_from_checkpoint", "latest"], out).finish(timeout=300)
+    resumed = torchrun(2, FINETUNE, [*args, "--resume_from_checkpoint", "latest", "--output_dir", str(out)], timeout=300)
     return out, stopped, emergency, resumed, seen, replay
 
 
@@ -223,7 +224,8 @@ def eval_preempted(request, tmp_path_factory):
     wait_for_output(run, EVAL_MARKER, timeout=300)
     stopped, seconds = sigterm_the_launcher(run)
     emergency = list_checkpoints(root / "run")
-    resumed = start(2, [*args, "--resume_from_checkpoint", "latest"], root / "run").finish(timeout=400)
+    resumed = torchrun(2, FINETUNE, [*args, "--resume_from_checkpoint", "latest", "--output_dir", str(root / "run")],
+                       timeout=400)
     return root, stopped, seconds, emergency, resumed
 
 
@@ -240,7 +242,7 @@ def test_sigterm_during_evaluation_saves_within_the_grace_period_and_exits_75(ev
 def eval_reference(tmp_path_factory):
     """The Trainer run of EVAL_ARGS, uninterrupted."""
     out = tmp_path_factory.mktemp("eval_reference") / "run"
-    result = start(2, [*EVAL_ARGS, *ENGINES["trainer"]], out).finish(timeout=400)
+    result = torchrun(2, FINETUNE, [*EVAL_ARGS, *ENGINES["trainer"], "--output_dir", str(out)], timeout=400)
     assert result.returncode == 0, result.output[-6000:]
     return out
 
@@ -338,16 +340,16 @@ def test_a_checkpoint_without_its_marker_is_never_picked(tmp_path, reference):
 
 @pytest.fixture(scope="module")
 def nan_runs(tmp_path_factory):
-    """One process, NaN loss at step 3: policy skip (saving every step) and policy stop, run side by side."""
+    """One process, NaN loss at step 3: policy skip (saving every step) and policy stop."""
     root = tmp_path_factory.mktemp("nan")
     common = [*TINY_ARGS, "--max_steps", "6", "--save_strategy", "steps", "--save_total_limit", "0"]
     cmds = {
         "skip": [*common, "--save_steps", "1", "--nan_policy", "skip", "--output_dir", str(root / "skip")],
         "stop": [*common, "--save_steps", "100", "--nan_policy", "stop", "--output_dir", str(root / "stop")],
     }
-    results = side_by_side({k: [sys.executable, str(WORKERS / "nan_loss.py"), *a] for k, a in cmds.items()},
-                           {k: {"HFTK_NAN_AT_STEP": "3"} for k in cmds}, root, timeout=300)
-    return root, results
+    launches = {k: python([str(WORKERS / "nan_loss.py"), *a], timeout=300, env={"HFTK_NAN_AT_STEP": "3"})
+                for k, a in cmds.items()}
+    return root, {k: (launch.returncode, launch.output) for k, launch in launches.items()}
 
 
 def _optimizer_state(checkpoint):
