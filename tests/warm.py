@@ -24,7 +24,6 @@ SIGKILL / SIGTERM, multi-node, SLURM) keeps the real launchers; everything else 
 from __future__ import annotations
 
 import atexit
-import gc
 import json
 import os
 import signal
@@ -77,27 +76,6 @@ def preload(plain: bool) -> None:
 
         for info in pkgutil.walk_packages(hftk.__path__, "hftk."):
             importlib.import_module(info.name)
-    warm_up()
-    gc.freeze()  # what is here now is never collected: a cell's gc.collect() neither walks nor copies it
-
-
-def warm_up() -> None:
-    """A tiny GPT-2 and Llama saved, loaded back and run forward and backward with an attention mask (in a
-    temporary folder): the first ``from_pretrained`` (transformers' checkpoint conversion tables), the first
-    call of each kernel and of the mask builders cost a cell ~0.5 s otherwise. The RNG state this consumes
-    is the same for every cell, each of which seeds its own run."""
-    import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
-
-    small = {"vocab_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
-    with tempfile.TemporaryDirectory() as folder:
-        for config in (GPT2Config(n_embd=16, n_positions=32, **small),
-                       LlamaConfig(hidden_size=16, intermediate_size=32, num_key_value_heads=1, **small)):
-            AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-            for attention in ("sdpa", "eager"):
-                model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention)
-                ids = torch.randint(0, 64, (2, 8))
-                model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
 
 
 def free_port() -> int:
