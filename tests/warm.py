@@ -79,6 +79,7 @@ def preload(plain: bool) -> None:
 
 
 def free_port() -> int:
+    # not hftk.bench.launch.free_port: this module runs the plain server too, which must not import hftk
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
