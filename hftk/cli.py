@@ -8,23 +8,22 @@ import sys
 from typing import Callable
 
 from hftk import __version__
-from hftk.errors import HftkError, report
-
+from hftk.core.errors import HftkError, report
 
 # name -> (help, "module:function"). Handlers take the remaining argv and parse their own options;
 # they are imported only when their command runs, so `hftk --help` stays fast.
 COMMANDS = {
     "train": ("Fine-tune in this process, or under a launcher (same options as scripts/finetune.py).",
-              "hftk.run:main"),
+              "hftk.run.prepare:main"),
     "preprocess": ("Tokenise, template, mask and pack the run's data once (save_to_disk); train with --tokenized_path.",
-                   "hftk.run:preprocess_command"),
-    "push": ("Push a final folder or a checkpoint to the Hub with a generated model card.", "hftk.hub:push_command"),
+                   "hftk.run.prepare:preprocess_command"),
+    "push": ("Push a final folder or a checkpoint to the Hub with a generated model card.", "hftk.publish.hub:push_command"),
     "configs": ("Write the accelerate launch configs and DeepSpeed JSON of every strategy.",
-                "hftk.launch:configs_command"),
+                "hftk.launch.configs:configs_command"),
     "plan": ("Per-rank memory of every strategy for a model (config only, no weights); the pick for auto.",
-             "hftk.plan:plan_command"),
+             "hftk.plan.estimate:plan_command"),
     "export": ("Turn any strategy's checkpoint into a standard HF folder (safetensors, config, tokenizer).",
-               "hftk.export:main"),
+               "hftk.publish.export:main"),
     "bench": ("Measure scaling, memory, communication, pipeline, batch size and overhead; one report folder.",
               "hftk.bench.cli:bench_command"),
 }

@@ -6,7 +6,7 @@ All logic lives in hftk; see `hftk train --help` for the options.
 
 import sys
 
-from hftk.run import main
+from hftk.run.prepare import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -60,12 +60,12 @@ step() {  # step NAME COMMAND...: run, log to $OUT_DIR/NAME.log, remember the ex
   echo "   exit ${RC[$name]} ($(tail -n 1 "$OUT_DIR/$name.log" | cut -c1-150))"
 }
 
-step tests "$PY" -m pytest -q -rs -p no:cacheprovider -m "not slow" -k "not setup_refuses" tests/unit/test_resilience.py \
-  tests/unit/test_validate.py::test_fp16_weights_with_fp16_training_are_refused_before_launch \
-  tests/unit/test_validate.py::test_fp16_weights_are_fine_where_fp32_master_weights_exist \
-  tests/unit/test_checkpoint.py::test_load_rng_continues_every_generator_exactly \
-  tests/unit/test_checkpoint.py::test_a_rank_without_a_saved_state_keeps_its_generators \
-  tests/unit/test_telemetry.py tests/integration/test_telemetry.py tests/unit/test_gpu_readiness.py \
+step tests "$PY" -m pytest -q -rs -p no:cacheprovider -m "not slow" -k "not setup_refuses" tests/unit/engine/test_resilience.py \
+  tests/unit/run/test_validate.py::test_fp16_weights_with_fp16_training_are_refused_before_launch \
+  tests/unit/run/test_validate.py::test_fp16_weights_are_fine_where_fp32_master_weights_exist \
+  tests/unit/checkpoint/test_atomic.py::test_load_rng_continues_every_generator_exactly \
+  tests/unit/checkpoint/test_atomic.py::test_a_rank_without_a_saved_state_keeps_its_generators \
+  tests/unit/telemetry/test_rank_monitor.py tests/integration/test_telemetry.py tests/unit/test_gpu_readiness.py \
   tests/integration/test_gpu_readiness.py \
   "tests/unit/strategies/test_deepspeed.py::test_offload_without_a_toolchain_is_one_line_before_launch"
 

@@ -96,14 +96,14 @@ def mesh_layout(strategy: str, world: int, args: list[str], expect: Callable[[An
     the sharding."""
 
     def step(device: str, dtype: torch.dtype | None) -> str:
-        from hftk import strategies
-        from hftk.config import load_config
+        from hftk.config import strategy_table
+        from hftk.config.options import load_config
         from hftk.strategies.mesh import MeshStep
 
         fake_group(world)
         cfg = load_config(["--model_name_or_path", "builtin:llama-tiny", "--strategy", strategy, *args])
         model = small_llama().to(device)
-        layout = strategies.get(strategy).layout(model, cfg, device)
+        layout = strategy_table.get(strategy).layout(model, cfg, device)
         layout = dataclasses.replace(layout, autocast_dtype=dtype)
         expect(layout)
         before = snapshot(layout.model)
@@ -155,7 +155,7 @@ def pipeline_two_stages(device: str, dtype: torch.dtype | None) -> str:
     """pp2's one-device equivalent: hftk's 2-stage cut on one rank, torch's interleaved schedule in between."""
     from transformers import Trainer
 
-    from hftk.config import StrategyConfig, load_config
+    from hftk.config.options import StrategyConfig, load_config
     from hftk.strategies import pipeline
 
     fake_group(1)

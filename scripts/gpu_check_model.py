@@ -2,7 +2,7 @@
 
 Random weights from a ``LlamaConfig`` (Llama-3.2-1B-like: hidden 2048, 16 layers, 32 heads, 8 K/V
 heads, MLP 8192, vocabulary 32000; 1.1B parameters), saved in bf16 with hftk's built-in tokenizer
-(:func:`hftk.builtin.tokenizer_for_corpus`, 2048 tokens: ids stay inside the model's vocabulary; the
+(:func:`hftk.data.builtin.tokenizer_for_corpus`, 2048 tokens: ids stay inside the model's vocabulary; the
 embedding and LM head still cost their full 32000 rows, as in a real run). ``--tiny`` writes the
 same architecture at test size through the same code.
 
@@ -28,7 +28,7 @@ def make_model_folder(folder: Path, shape: str) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hftk.builtin import EOS, tokenizer_for_corpus
+    from hftk.data.builtin import EOS, tokenizer_for_corpus
 
     tokenizer = tokenizer_for_corpus()
     tokenizer.model_max_length = 4096

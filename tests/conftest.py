@@ -45,7 +45,7 @@ def _warm_server(request):
 @pytest.fixture(scope="session", autouse=True)
 def _builtin_models() -> None:
     """Materialise the tiny built-in models once, before ranks race for them."""
-    from hftk.builtin import materialize_model
+    from hftk.data.builtin import materialize_model
 
     for name in ("builtin:gpt2-tiny",):
         materialize_model(name)
@@ -55,8 +55,8 @@ def _builtin_models() -> None:
 def tiny_shape():
     """The plan's view of builtin:gpt2-tiny (meta-device shape and activation traces), shared by the
     plan's unit and integration tests."""
-    from hftk.builtin import builtin_model_config
-    from hftk.plan import model_shape
+    from hftk.data.builtin import builtin_model_config
+    from hftk.plan.estimate import model_shape
 
     return model_shape(builtin_model_config("builtin:gpt2-tiny"))
 

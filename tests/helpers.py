@@ -149,7 +149,7 @@ def plain_reference(mode: str, out: Path, args: list[str], model: str = "builtin
     optimisation settings plus ``args``.
     Returns ``out``: :func:`losses` and :func:`metrics` read its ``losses.json``, its weights are in
     ``out/final``."""
-    from hftk.builtin import CORPUS, materialize_model
+    from hftk.data.builtin import CORPUS, materialize_model
 
     shared = dict(zip(TINY_ARGS[::2], TINY_ARGS[1::2]))
     tiny = [x for key in ("--block_size", "--max_train_samples", "--lr_scheduler_type", "--warmup_steps",
@@ -180,11 +180,11 @@ def losses(output_dir: Path) -> dict[int, float]:
 
 
 def tiny_blocks(tmp_path: Path, args: list[str] | None = None) -> Any:
-    """The training and held-out blocks (``hftk.data.TokenizedData``) a TINY_ARGS run plus ``args``
+    """The training and held-out blocks (``hftk.data.dataset.TokenizedData``) a TINY_ARGS run plus ``args``
     trains and evaluates on, built in this one process by hftk's data pipeline."""
-    from hftk.data import tokenize_and_pack
-    from hftk.modeling import load_tokenizer
-    from hftk.run import prepare
+    from hftk.data.dataset import tokenize_and_pack
+    from hftk.models.loading import load_tokenizer
+    from hftk.run.prepare import prepare
 
     cfg = (prepared := prepare([*TINY_ARGS, *(args or []), "--output_dir", str(tmp_path / "probe")])).cfg
     return tokenize_and_pack(cfg.data, prepared.raw, load_tokenizer(cfg.model), prepared.data_format,
@@ -252,7 +252,7 @@ def wandb_run(output_dir: Path) -> dict[str, Any]:
     return {"history": history, "config": config}
 
 
-# What a default run printed before hftk.output existed, each a library's own line (tests/integration/test_output.py).
+# What a default run printed before hftk.core.output existed, each a library's own line (tests/integration/test_output.py).
 NOISE = {
     "DeepSpeed's accelerator guess": re.compile(r"Setting accelerator to CPU|Setting ds_accelerator"),
     "transformers' pad-token alignment": re.compile(r"PAD/BOS/EOS tokens that differ"),
@@ -283,7 +283,7 @@ def make_family(model_type: str, folder: Path, **sizes_given: int) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from hftk.builtin import materialize_model
+    from hftk.data.builtin import materialize_model
 
     tokenizer = AutoTokenizer.from_pretrained(materialize_model("builtin:gpt2-tiny"))
     sizes = {**(GPT2_SIZES if model_type == "gpt2" else SIZES), **sizes_given}

@@ -13,4 +13,6 @@ and returns a JSON-ready dict of *measured* figures. Two optional keys are read 
 
 :mod:`hftk.bench.report` turns those dicts into one report folder (``results.json``,
 ``summary.md``, the charts); :mod:`hftk.bench.cli` is the ``hftk bench`` command line.
+
+Imports: anything in hftk (the top layer with ``hftk.cli``).
 """

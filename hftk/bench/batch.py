@@ -20,10 +20,9 @@ from typing import Any
 import torch
 
 from hftk.bench.charts import figure, finish, save
-from hftk.bench.launch import (BENCH_TRAIN_ARGS, DEFAULT_MODEL, max_processes, run_workers,
-                               threads_per_rank)
+from hftk.bench.launch import BENCH_TRAIN_ARGS, DEFAULT_MODEL, max_processes, run_workers, threads_per_rank
 from hftk.bench.stats import median_of, timed_steps
-from hftk.errors import HftkError
+from hftk.core.errors import HftkError
 
 GB = 2**30
 # On CPU there is no device limit to find: a budget this small makes the search end within the
@@ -45,7 +44,7 @@ OPTION_HELP = {
 def check_options(strategies: list[str] | None = None, nproc: int | None = None, global_batch: int = 32,
                   max_micro_batch: int = 64, **_: Any) -> None:
     """Bad input fails before any launch."""
-    from hftk import strategies as known
+    from hftk.config import strategy_table as known
 
     for name in strategies or ["ddp"]:
         known.get(name)

@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from hftk.errors import HftkError
+from hftk.core.errors import HftkError
 
 BENCHES = ("scaling", "memory", "comm", "pipeline", "batch", "overhead", "data", "startup")
 SHARED = ("model", "block_size", "nproc", "timeout")
@@ -200,7 +200,7 @@ def bench_command(argv: list[str]) -> int:
     else:
         raise HftkError("bench", f"unknown bench '{name}'.", f"use one of: {', '.join(BENCHES)}, all.")
     if train_args:  # unknown hftk train options fail here, in one line, before any worker starts
-        from hftk.config import load_config
+        from hftk.config.options import load_config
 
         load_config(train_args)
     for bench in available():  # an unavailable one is reported by run_benches, after the others ran

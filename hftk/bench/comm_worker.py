@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hftk.builtin import CORPUS
 from hftk.comm.accounting import log_fields
 from hftk.comm.collectives import gather_objects
 from hftk.comm.register import register_compression
-from hftk.config import ModelConfig, StrategyConfig
-from hftk.modeling import load_model, load_tokenizer
-from hftk.monitor import parameter_digest
+from hftk.config.options import ModelConfig, StrategyConfig
+from hftk.data.builtin import CORPUS
+from hftk.models.loading import load_model, load_tokenizer
+from hftk.telemetry.metrics import parameter_digest
 
 JOB_DEFAULTS: dict[str, Any] = {
     "model": "builtin:gpt2-tiny", "hooks": ["none", "fp16", "bf16", "powersgd", "topk"], "bucket_cap_mb": 25.0,
@@ -148,6 +148,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from hftk.run import exit_without_teardown
+    from hftk.run.prepare import exit_without_teardown
 
     exit_without_teardown(main())  # skips gloo's teardown abort

@@ -31,7 +31,7 @@ from typing import Any
 
 from hftk.bench.charts import figure, finish, save
 from hftk.bench.launch import BENCH_TRAIN_ARGS, DEFAULT_MODEL, run_workers, threads_per_rank
-from hftk.errors import HftkError
+from hftk.core.errors import HftkError
 
 MODES = {"concat": ["--packing", "concat"], "bfd": ["--packing", "bfd"], "none": ["--packing", "none"],
          "pad-to-block": ["--packing", "none", "--pad_to_multiple_of", "{block_size}"]}
@@ -55,7 +55,7 @@ def check_options(min_words: int, max_words: int, **_: Any) -> None:
 
 def write_examples(path: Path, n: int, min_words: int, max_words: int, seed: int = 0) -> dict[str, Any]:
     """``n`` prompt / completion pairs of log-uniform length cut from the shipped corpus; their word counts."""
-    from hftk.builtin import BUILTIN_DATASETS
+    from hftk.data.builtin import BUILTIN_DATASETS
 
     words = Path(BUILTIN_DATASETS["kjv"]).read_text().split()
     rng = random.Random(seed)
@@ -117,10 +117,10 @@ def padded_rows_per_rank(bfd: dict[str, Any], nproc: int, micro_batch: int) -> i
 
 def bfd_packing(argv: list[str]) -> dict[str, Any]:
     """Training examples and examples per row of the bfd run ``argv``, packed here as the run packs
-    them (``hftk.data``: the same tokenisation, split seed and TRL best-fit decreasing)."""
-    from hftk.data import tokenize_sources
-    from hftk.modeling import load_tokenizer
-    from hftk.run import prepare
+    them (``hftk.data.dataset``: the same tokenisation, split seed and TRL best-fit decreasing)."""
+    from hftk.data.dataset import tokenize_sources
+    from hftk.models.loading import load_tokenizer
+    from hftk.run.prepare import prepare
 
     p = prepare(argv)
     train = tokenize_sources(p.sources, load_tokenizer(p.cfg.model, p.cfg.data.chat_template), p.cfg.args.seed).train

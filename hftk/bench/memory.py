@@ -1,9 +1,9 @@
 """``hftk bench memory``: what each strategy really holds per rank, side by side in one run, and
-how close the memory plan (:mod:`hftk.plan`) came.
+how close the memory plan (:mod:`hftk.plan.estimate`) came.
 
 Every strategy trains the same model for a few steps through hftk's own engine
 (:mod:`hftk.bench.memory_worker`), one launch after another. Like every hftk run the workers tell
-glibc to hand freed memory back (:mod:`hftk.allocator`): with its defaults glibc keeps 0.9-1.2 GiB
+glibc to hand freed memory back (:mod:`hftk.core.allocator`): with its defaults glibc keeps 0.9-1.2 GiB
 of freed heap resident and RSS hides what sharding saves (field notes). Per rank: the training
 phase's peak and the counted bytes of parameters, gradients and optimizer state (how:
 :mod:`hftk.bench.memory_worker`; loading and imports come before the peak, as ``lifetime_peak_mib``),
@@ -20,12 +20,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hftk import allocator
 from hftk.bench.charts import figure, finish, save
 from hftk.bench.launch import BENCH_TRAIN_ARGS, threads_per_rank, torchrun_module
 from hftk.bench.report import markdown_table
-from hftk.errors import HftkError
-from hftk.plan import MIB, PLAN_STRATEGIES, StrategyPlan
+from hftk.core import allocator
+from hftk.core.errors import HftkError
+from hftk.plan.estimate import MIB, PLAN_STRATEGIES, StrategyPlan
 
 DEFAULT_MODEL = "builtin:gpt2-90m"
 SHARDED_TARGET = 0.65  # fsdp and zero3 peak at most this fraction of ddp's (issue 3)
@@ -99,9 +99,9 @@ def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, 
 
 def predict(argv: list[str], nproc: int, strategies: tuple[str, ...]) -> dict[str, StrategyPlan]:
     """The plan for exactly these runs: same config (dtype, LoRA, batch, ...), world size ``nproc``."""
-    from hftk.config import load_config
-    from hftk.modeling import load_model_config
-    from hftk.plan import estimate, inputs_from_config, model_shape
+    from hftk.config.options import load_config
+    from hftk.models.loading import load_model_config
+    from hftk.plan.estimate import estimate, inputs_from_config, model_shape
 
     cfg = load_config(argv)
     model_config = load_model_config(cfg.model)
@@ -121,7 +121,7 @@ def estimate_mesh(name: str, model_config: Any, shape: Any, inputs: Any) -> Stra
 
 def check_options(strategies: tuple[str, ...] = PLAN_STRATEGIES, nproc: int = 2, **_: Any) -> None:
     """Bad input fails before any launch: unknown strategies, a TP x FSDP row without room for both."""
-    from hftk import strategies as known
+    from hftk.config import strategy_table as known
 
     for name in [s for s in strategies if s not in MESH_ROWS]:
         known.get(name)

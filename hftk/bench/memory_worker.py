@@ -4,7 +4,7 @@ usual finetune options plus ``--memory_out FILE`` (``torchrun --nproc_per_node 2
 hftk.bench.memory_worker --strategy zero3 --max_steps 2 ... --memory_out zero3.json``). Two
 measurements per rank:
 
-- model state (:func:`hftk.memory.model_state_bytes`) counted inside the second optimizer step,
+- model state (:func:`hftk.telemetry.memory.model_state_bytes`) counted inside the second optimizer step,
   after each call of the innermost torch optimizer's ``step`` (a post-hook), keeping the largest:
   the one moment every strategy holds the gradients being applied and the optimizer state
   together. Counting later, at the Trainer's ``on_optimizer_step``, would miss DeepSpeed's
@@ -25,9 +25,9 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hftk.comm.collectives import gather_objects
-from hftk.errors import HftkError
-from hftk.memory import model_state_bytes
-from hftk.telemetry import peak_memory_bytes, reset_peak_memory
+from hftk.core.errors import HftkError
+from hftk.telemetry.memory import model_state_bytes
+from hftk.telemetry.rank_monitor import peak_memory_bytes, reset_peak_memory
 
 # The first step creates the optimizer state lazily (DeepSpeed one parameter group after another);
 # from the second on, every step holds the same.
@@ -74,9 +74,9 @@ class MemoryProbe(TrainerCallback):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hftk import strategies
+    from hftk.config import strategy_table
     from hftk.engine.trainer import build_trainer
-    from hftk.run import prepare
+    from hftk.run.prepare import prepare
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         if prepared.cfg.args.max_steps < COUNTED_STEP:
             raise HftkError("training.max_steps", f"the probe counts optimizer step {COUNTED_STEP} (the first creates "
                             "the optimizer state).", f"pass --max_steps {COUNTED_STEP} or more.")
-        if strategies.spec(prepared.cfg.strategy.strategy).engine == "loop":
+        if strategy_table.spec(prepared.cfg.strategy.strategy).engine == "loop":
             return loop_memory(prepared, out)
         trainer, _, _ = build_trainer(prepared)
     except HftkError as exc:
@@ -116,8 +116,8 @@ def loop_memory(prepared: Any, out: Path) -> int:
     rank's params / grads / optimizer bytes after its first optimizer step and the training phase's peak
     (reset before the first step) as one ``memory`` record in metrics.jsonl."""
     from hftk.engine import loop
-    from hftk.monitor import read_jsonl
     from hftk.strategies.mesh import device_type
+    from hftk.telemetry.metrics import read_jsonl
 
     cfg = prepared.cfg
     loop.train(prepared)
@@ -135,6 +135,6 @@ def write_record(out: Path, strategy: str, device_type: str, ranks: list[dict[st
 
 
 if __name__ == "__main__":
-    from hftk.run import exit_without_teardown
+    from hftk.run.prepare import exit_without_teardown
 
     exit_without_teardown(main())  # skips gloo's teardown abort

@@ -35,7 +35,7 @@ from typing import Any
 from hftk.bench.charts import errorbar, figure, finish, fmt_spread, save
 from hftk.bench.launch import Machine, run_workers, threads_per_rank
 from hftk.bench.stats import percent, spread
-from hftk.errors import HftkError
+from hftk.core.errors import HftkError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MICROBATCHES = (1, 2, 4, 8)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hftk.bench.worker import teardown, write_json
-from hftk.config import StrategyConfig
+from hftk.config.options import StrategyConfig
 from hftk.strategies import pipeline
 
 Event = list[Any]  # [kind "F"|"L"|"B", stage index, micro-batch, wall start, wall end, thread CPU seconds]
@@ -116,6 +116,6 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    from hftk.run import exit_without_teardown
+    from hftk.run.prepare import exit_without_teardown
 
     exit_without_teardown(main(sys.argv[1]))  # skips gloo's teardown abort

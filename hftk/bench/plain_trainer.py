@@ -4,7 +4,7 @@
 under the same launcher as hftk (torchrun; DDP over gloo on CPU). What a user writes without hftk:
 run_clm's data recipe (the ``text`` loader, tokenise, concatenate, cut into blocks), ``from_pretrained``
 from a local folder, ``TrainingArguments`` and ``Trainer``. It is run by path and imports nothing from
-hftk, so it pays only the libraries' start-up. It closes the same phases as :mod:`hftk.startup` (no
+hftk, so it pays only the libraries' start-up. It closes the same phases as :mod:`hftk.core.startup` (no
 ``prepare``: it validates nothing) and rank 0 writes them to OUT_JSON at its first optimizer step.
 """
 

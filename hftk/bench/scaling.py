@@ -17,7 +17,7 @@ import torch
 from hftk.bench.charts import errorbar, figure, finish, fmt_spread, save
 from hftk.bench.launch import BENCH_TRAIN_ARGS, DEFAULT_MODEL, max_processes, run_workers, threads_per_rank
 from hftk.bench.stats import load_spread, spread, timed_run
-from hftk.errors import HftkError
+from hftk.core.errors import HftkError
 
 OPTION_HELP = {
     "nprocs": "comma-separated process counts (default 1, 2, 4, ... up to one per GPU, or per core on CPU)",
@@ -39,9 +39,9 @@ def default_nprocs() -> list[int]:
 def check_options(nprocs: list[int] | None = None, strategy: str = "ddp", repeats: int = 3, steps: int = 20,
                   **_: Any) -> None:
     """Bad input fails before any launch."""
-    from hftk import strategies
+    from hftk.config import strategy_table
 
-    strategies.get(strategy)
+    strategy_table.get(strategy)
     if nprocs and min(nprocs) < 1:
         raise HftkError("bench.nprocs", "process counts must be at least 1.", "use e.g. 1,2.")
     if nprocs and torch.cuda.is_available() and max(nprocs) > max_processes():

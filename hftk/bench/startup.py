@@ -6,7 +6,7 @@ same text (the shipped corpus) with DDP under the same launcher (torchrun), 1 an
 alternately (hftk, plain, hftk, plain, ...) so load drifting on a shared machine hits both alike, after
 one untimed launch of each (datasets' cache and the built-in model written, as for a user's second
 launch). hftk is ``hftk train`` as a user starts it; its phases come from the run's own ``startup``
-record (:mod:`hftk.startup`); the plain script is :mod:`hftk.bench.plain_trainer`, run by path so it
+record (:mod:`hftk.core.startup`); the plain script is :mod:`hftk.bench.plain_trainer`, run by path so it
 imports nothing from hftk. Rank 0's figures are compared (its first step waits for every rank's first
 gradient all-reduce). The ratio hftk / plain > 1 means hftk starts slower.
 """
@@ -20,7 +20,7 @@ from typing import Any
 from hftk.bench.charts import figure, finish, fmt_spread, save
 from hftk.bench.launch import BENCH_TRAIN_ARGS, threads_per_rank, torchrun_module
 from hftk.bench.stats import spread
-from hftk.startup import PHASES
+from hftk.core.startup import PHASES
 
 VARIANTS = ("hftk", "plain")
 PLAIN_SCRIPT = Path(__file__).with_name("plain_trainer.py")
@@ -36,7 +36,7 @@ def run_startup_bench(out_dir: Path, nprocs: list[int] = [1, 2], model: str = "b
                       block_size: int = 128, micro_batch: int = 4, max_steps: int = 2, repeats: int = 3,
                       train_args: list[str] | None = None, timeout: float = 600) -> dict[str, Any]:
     """``repeats`` interleaved pairs per rank count; each launch's rank 0 time to its first step, by phase."""
-    from hftk.builtin import CORPUS, materialize_model
+    from hftk.data.builtin import CORPUS, materialize_model
 
     out_dir = Path(out_dir)
     folder = materialize_model(model) if model.startswith("builtin:") else Path(model)

@@ -80,7 +80,7 @@ def run_trainer(argv: list[str]) -> dict[str, Any]:
     """One training run through hftk's engine, timed step by step; its token counts, peak memory and,
     when the run holds data out, the held-out loss after training."""
     from hftk.engine.trainer import build_trainer
-    from hftk.run import prepare
+    from hftk.run.prepare import prepare
 
     trainer, _, data = build_trainer(prepare(argv))
     clock = StepClock()
@@ -101,9 +101,9 @@ def run_hand_loop(argv: list[str]) -> dict[str, Any]:
     from torch.utils.data import DataLoader
     from transformers import default_data_collator, get_scheduler
 
-    from hftk.data import tokenize_and_pack
-    from hftk.modeling import load_model, load_tokenizer
-    from hftk.run import prepare
+    from hftk.data.dataset import tokenize_and_pack
+    from hftk.models.loading import load_model, load_tokenizer
+    from hftk.run.prepare import prepare
 
     prepared = prepare(argv)
     cfg, t = prepared.cfg, prepared.cfg.training
@@ -146,7 +146,7 @@ def run_batch_trials(argv: list[str], trials: list[dict[str, Any]], budget_bytes
     peers may be inside a collective of that step, which it can never join, so no later collective would
     pair up (``hftk.bench.batch`` relaunches)."""
     from hftk.engine.trainer import build_trainer
-    from hftk.run import prepare
+    from hftk.run.prepare import prepare
 
     results: list[dict[str, Any]] = []
     search_over = False
@@ -215,6 +215,6 @@ def teardown() -> None:
 
 
 if __name__ == "__main__":
-    from hftk.run import exit_without_teardown
+    from hftk.run.prepare import exit_without_teardown
 
     exit_without_teardown(main(sys.argv[1]))  # gloo threads now and then abort the interpreter's own teardown

@@ -6,4 +6,6 @@
 - :mod:`hftk.comm.accounting`: bytes and in-flight time per optimizer step;
 - :mod:`hftk.comm.register`: validation, ``register_compression(ddp_model, cfg)``, checkpoint state;
 - :mod:`hftk.comm.callback`: the Trainer callback that wires it all into a run.
+
+Imports: ``core`` and ``config`` only (checkpoints and telemetry use its collectives).
 """

@@ -15,7 +15,7 @@ flight (issue -> completion callback): overlapping collectives are not counted t
 wall time on gloo, whose futures complete when the data has arrived. NCCL futures complete once
 the work is ordered on the device's stream, so there the same intervals measure enqueueing, not
 transfer: they are logged under their own names (``comm_enqueue_time_s``, ``comm_enqueue_wait_s``)
-and ``comm_time_s`` is absent; the profiler (``hftk.telemetry``'s communication share) times GPUs.
+and ``comm_time_s`` is absent; the profiler (``hftk.telemetry.rank_monitor``'s communication share) times GPUs.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def log_fields(counters: StepCounters, steps: int = 1, arrival_timed: bool = Tru
 
 def union_length(intervals: Iterable[Sequence[float]]) -> float:
     """Total length covered by ``(start, end)`` intervals, overlaps counted once (collectives in
-    flight together here; gloo / NCCL events on several threads in :mod:`hftk.telemetry`)."""
+    flight together here; gloo / NCCL events on several threads in :mod:`hftk.telemetry.rank_monitor`)."""
     total, covered_until = 0.0, -math.inf
     for start, end in sorted(tuple(i) for i in intervals):
         if end > covered_until:

@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from hftk.comm.register import load_state, register_compression, save_state
-from hftk.config import StrategyConfig
-from hftk.errors import HftkError
+from hftk.config.options import StrategyConfig
+from hftk.core.errors import HftkError
 
 
 class CompressionCallback(TrainerCallback):

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from hftk.comm.accounting import CommStats
 
-
 BUCKET_BYTES = 25 * 2**20  # flat all-reduce buckets: DDP's default bucket_cap_mb
 
 

@@ -20,9 +20,9 @@ from hftk.comm.collectives import FlatComm
 from hftk.comm.hierarchical import HierarchicalComm, discover_topology
 from hftk.comm.hooks import HookState, average, cast_average, timed, topk_average
 from hftk.comm.powersgd import powersgd_average
-from hftk.config import StrategyConfig
-from hftk.errors import HftkError
-from hftk.strategies import STRATEGIES
+from hftk.config.options import StrategyConfig
+from hftk.config.strategy_table import STRATEGIES
+from hftk.core.errors import HftkError
 
 HOOKS: dict[str, Callable[[HookState, Any], torch.futures.Future]] = {
     "allreduce": timed(average),

@@ -1,1 +1,5 @@
-"""Training engines: the HF Trainer path (``trainer``), the custom loop (``loop``) and the world-size guard."""
+"""Training engines: the HF Trainer path (``trainer``), the custom loop (``loop``), what both stop on
+(``resilience``: preemption and NaN agreed by all ranks) and what validation hands them (``run_types``).
+
+Imports: the layers below (``core`` .. ``publish``).
+"""

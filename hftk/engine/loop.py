@@ -8,16 +8,16 @@ Trainer run of the same config take the same steps:
 
 - ``TrainingArguments`` from :func:`hftk.engine.trainer.build_training_arguments` (it also
   starts the process group: gloo on CPU, NCCL on GPU);
-- data from :mod:`hftk.data`, sampled like the Trainer (accelerate's seedable sampler, one
+- data from :mod:`hftk.data.dataset`, sampled like the Trainer (accelerate's seedable sampler, one
   shard per data-parallel replica, ``skip_first_batches`` on resume);
 - the optimizer class and kwargs from the Trainer's ``get_optimizer_cls_and_kwargs`` over the
   step's decay / no-decay groups; the schedule from ``get_scheduler``;
 - flow control (when to log, evaluate, save, stop) from the Trainer's ``TrainerState``,
   ``TrainerControl`` and ``DefaultFlowCallback``; metrics through the same callbacks as a Trainer
   run (hftk's ``MetricsCallback`` writing ``metrics.jsonl``, the rank monitor, tensorboard / wandb);
-- hftk.resilience's stop rules (non-finite gradients, preemption) agreed in one all-reduce;
-- ``checkpoint-N`` through :class:`hftk.checkpointer.Checkpointer` (``latest`` resumes), the final
-  folder through the step (or the LoRA adapter), pushed by :class:`hftk.hub.RunPusher`.
+- hftk.engine.resilience's stop rules (non-finite gradients, preemption) agreed in one all-reduce;
+- ``checkpoint-N`` through :class:`hftk.checkpoint.checkpointer.Checkpointer` (``latest`` resumes), the final
+  folder through the step (or the LoRA adapter), pushed by :class:`hftk.publish.hub.RunPusher`.
 
 The step protocol: attributes ``device``, ``dp_size``, ``dp_rank``, ``params`` (named parameters
 of this rank), ``module`` (what the rank holds, for memory counts), ``monitored`` (a model the
@@ -36,8 +36,8 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from functools import partial
 from datetime import timedelta
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -45,23 +45,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hftk import lora, startup, strategies
-from hftk.checkpoint import announce_resume, load_rng, resolve_resume, staged_folder
-from hftk.checkpointer import Checkpointer, TrainerStateFile
+from hftk.checkpoint.atomic import announce_resume, load_rng, resolve_resume, staged_folder
+from hftk.checkpoint.checkpointer import Checkpointer, TrainerStateFile
+from hftk.checkpoint.run_record import run_record, save_run_record, write_run_files
 from hftk.comm.collectives import gather_objects
-from hftk.data import announce_eval, collator
-from hftk.engine.guard import check_world
+from hftk.config import strategy_table
+from hftk.core import startup
+from hftk.data.dataset import announce_eval, collator
+from hftk.engine.resilience import (EXIT_PREEMPTED, EvaluationInterrupted, PreemptionSignal, check_evaluation,
+                                    decide_step, nonfinite_gradients, stop_line)
+from hftk.engine.run_types import PreparedRun
 from hftk.engine.trainer import FINAL_DIR, build_training_arguments, load_data
-from hftk.hub import RunPusher
-from hftk.memory import model_state_bytes
-from hftk.modeling import load_model
-from hftk.monitor import MetricsCallback, SyncCheckCallback, append_jsonl
-from hftk.resilience import (EXIT_PREEMPTED, EvaluationInterrupted, PreemptionSignal, check_evaluation,
-                             decide_step, nonfinite_gradients, stop_line)
-from hftk.run_record import run_record, save_run_record, write_run_files
-from hftk.run_types import PreparedRun
-from hftk.telemetry import (RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops, flops_per_token,
-                            peak_memory_bytes)
+from hftk.launch.guard import check_world
+from hftk.models import lora
+from hftk.models.loading import load_model
+from hftk.publish.hub import RunPusher
+from hftk.telemetry.memory import model_state_bytes
+from hftk.telemetry.metrics import MetricsCallback, SyncCheckCallback, append_jsonl
+from hftk.telemetry.rank_monitor import (RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops,
+                                         flops_per_token, peak_memory_bytes)
 
 
 @dataclass
@@ -122,7 +124,7 @@ def init_process_group(args: Any) -> None:
 
 def training_overrides(cfg: Any) -> dict[str, Any]:
     """The strategy's own defaults for options the user did not give (tp / cp / sp: torch's unfused AdamW)."""
-    defaults = getattr(strategies.get(cfg.strategy.strategy), "LOOP_DEFAULTS", {})
+    defaults = getattr(strategy_table.get(cfg.strategy.strategy), "LOOP_DEFAULTS", {})
     return {key: value for key, value in defaults.items() if key not in cfg.given}
 
 
@@ -132,7 +134,7 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     from transformers import set_seed
 
     cfg = prepared.cfg
-    strategy = strategies.get(cfg.strategy.strategy)
+    strategy = strategy_table.get(cfg.strategy.strategy)
     args = build_training_arguments(prepared, training_overrides(cfg))
     init_process_group(args)
     check_world(dist.get_world_size())
@@ -215,7 +217,7 @@ def _eval_batches(run: Run) -> Any:
     Every rank runs the same number of forwards (sharded layouts need all ranks in each
     collective): a replica with no samples left in the last chunk reads one with its labels
     ignored. A preemption signal on any rank stops it before the next batch
-    (:class:`hftk.resilience.EvaluationInterrupted`).
+    (:class:`hftk.engine.resilience.EvaluationInterrupted`).
     """
     size, dp, rank = run.args.per_device_eval_batch_size, run.step.dp_size, run.step.dp_rank
     n = len(run.eval_set)
@@ -392,7 +394,7 @@ def _train_step(run: Run, batches: list[dict[str, torch.Tensor]]) -> tuple[float
 
 
 def _guard(run: Run) -> bool:
-    """hftk.resilience's rules, agreed by every rank: a non-finite gradient drops the update (step and
+    """hftk.engine.resilience's rules, agreed by every rank: a non-finite gradient drops the update (step and
     schedule still advance); preemption or ``nan_policy=stop`` saves after this step and exits."""
     params = [p for _, p in run.step.params]
     nonfinite, stop = decide_step(run.signal, nonfinite_gradients(params), run.prepared.cfg.resilience.nan_policy,
@@ -412,7 +414,7 @@ def _stop_after_step(run: Run) -> None:
 
 
 def _stop(run: Run) -> None:
-    """As ``hftk.resilience.raise_stop`` on the Trainer path: say where the run stopped, tear down, exit."""
+    """As ``hftk.engine.resilience.raise_stop`` on the Trainer path: say where the run stopped, tear down, exit."""
     if run.rank == 0:
         saved = run.prepared.cfg.output_dir / f"checkpoint-{run.state.global_step}"
         print(stop_line(run.state.global_step, run.stop_reason, saved, run.exit_code), file=sys.stderr, flush=True)
@@ -528,7 +530,7 @@ def _finish(run: Run, start: float, start_step: int) -> dict[str, float]:
 
 
 def _run_record(run: Run, step: int, metrics: dict[str, float] | None) -> dict[str, Any]:
-    """hftk.hub's run record: every process, and the data-parallel replicas the global batch counts."""
+    """hftk.publish.hub's run record: every process, and the data-parallel replicas the global batch counts."""
     p = run.prepared
     return run_record(p.cfg, run.args, p.world_size, p.data_format, step, metrics, run.step.dp_size)
 
@@ -538,7 +540,7 @@ def _run_record(run: Run, step: int, metrics: dict[str, float] | None) -> dict[s
 # ---------------------------------------------------------------------------------------------
 
 def _save_checkpoint(run: Run) -> None:
-    """``checkpoint-N`` (:class:`hftk.checkpointer.Checkpointer`: staged, sealed, renamed, rotated), then pushed."""
+    """``checkpoint-N`` (:class:`hftk.checkpoint.checkpointer.Checkpointer`: staged, sealed, renamed, rotated), then pushed."""
     folder = run.checkpointer.save(run.state.global_step)
     if run.pusher is not None:
         run.pusher.checkpoint_published(folder)

@@ -13,22 +13,25 @@ from typing import Any
 
 import torch
 
-from hftk import lora, startup, strategies
-from hftk.agent_store import node_first
-from hftk.checkpoint import announce_resume, install_atomic_checkpoints, resolve_resume, staged_folder
+from hftk.checkpoint.atomic import announce_resume, install_atomic_checkpoints, resolve_resume, staged_folder
+from hftk.checkpoint.run_record import run_record, save_run_record, write_run_files
 from hftk.comm.callback import CompressionCallback
 from hftk.comm.register import is_active as comm_active
-from hftk.data import announce_eval, collator, tokenize_sources
-from hftk.engine.guard import WorldGuard, check_world
-from hftk.errors import HftkError
-from hftk.memory import ModelStateCallback
-from hftk.hub import run_pusher
-from hftk.run_record import run_record, save_run_record, write_run_files
-from hftk.modeling import load_model, load_tokenizer
-from hftk.monitor import MetricsCallback, SyncCheckCallback
-from hftk.resilience import StepGuard, guarded, step_guard
-from hftk.telemetry import RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops, flops_per_token
-from hftk.run_types import PreparedRun
+from hftk.config import strategy_table
+from hftk.core import startup
+from hftk.core.agent_store import node_first
+from hftk.core.errors import HftkError
+from hftk.data.dataset import announce_eval, collator, tokenize_sources
+from hftk.engine.resilience import StepGuard, guarded, step_guard
+from hftk.engine.run_types import PreparedRun
+from hftk.launch.guard import WorldGuard, check_world
+from hftk.models import lora
+from hftk.models.loading import load_model, load_tokenizer
+from hftk.publish.hub import run_pusher
+from hftk.telemetry.memory import ModelStateCallback
+from hftk.telemetry.metrics import MetricsCallback, SyncCheckCallback
+from hftk.telemetry.rank_monitor import (RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops,
+                                         flops_per_token)
 
 FINAL_DIR = "final"
 
@@ -50,7 +53,7 @@ def build_training_arguments(prepared: PreparedRun, extra: dict[str, Any]) -> An
         kwargs["remove_unused_columns"] = False
     if not prepared.has_eval:
         kwargs["eval_strategy"] = "no"
-    kwargs["push_to_hub"] = False  # hftk.hub pushes (card, retries, background); the Trainer would push twice
+    kwargs["push_to_hub"] = False  # hftk.publish.hub pushes (card, retries, background); the Trainer would push twice
     configure_wandb(cfg, kwargs.get("report_to"))
     if kwargs["use_cpu"] and not kwargs.get("deepspeed"):  # DeepSpeed starts its own (strategies/deepspeed.py)
         _start_cpu_state(kwargs.get("ddp_backend"), int(cfg.args.ddp_timeout))
@@ -148,7 +151,7 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     from transformers import Trainer
 
     cfg = prepared.cfg
-    strategy = strategies.get(cfg.strategy.strategy)
+    strategy = strategy_table.get(cfg.strategy.strategy)
     args = build_training_arguments(prepared, strategy.training_arguments(cfg, prepared.model_config))
     check_world(args.world_size)
     startup.mark("process_group")

@@ -30,9 +30,9 @@ from typing import Any, Iterator
 
 import torch
 
-from hftk.config import RunConfig
-from hftk.errors import HftkError
-from hftk.support import check_packing
+from hftk.config.options import RunConfig
+from hftk.config.support import check_packing
+from hftk.core.errors import HftkError
 
 ATTENTION = "hftk_ring"  # transformers attention implementation registered by :func:`register_attention`
 SEQUENCE_KEYS = ("input_ids", "position_ids", "shift_labels")

@@ -8,8 +8,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hftk.config import RunConfig
-from hftk.errors import HftkError
+from hftk.config.options import RunConfig
+from hftk.core.errors import HftkError
 
 
 def validate(cfg: RunConfig, world_size: int) -> None:

@@ -31,12 +31,13 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from hftk.agent_store import node_first
-from hftk.checkpoint import COMPLETE_MARKER, resolve_resume, saved_world
-from hftk.config import RunConfig
-from hftk.errors import HftkError
-from hftk.output import DEEPSPEED_OP_BUILT, printed_lines_dropped
-from hftk.strategies import STRATEGIES
+from hftk.checkpoint.atomic import COMPLETE_MARKER, resolve_resume, saved_world
+from hftk.config.options import RunConfig
+from hftk.config.strategy_table import STRATEGIES
+from hftk.core.agent_store import node_first
+from hftk.core.errors import HftkError
+from hftk.core.output import DEEPSPEED_OP_BUILT, printed_lines_dropped
+from hftk.plan.types import MAX_LIVE_PARAMETERS, MAX_REUSE_DISTANCE, SUB_GROUP_SIZE
 
 # ZeRO keeps one optimizer partition per rank and DeepSpeed's own loader refuses another world size.
 # zero1/2 resume through DeepSpeed's universal checkpoint (:func:`to_universal`). zero3 and zero3_offload
@@ -49,12 +50,6 @@ OTHER_WORLD_SIZE_FIX = (", or start a new run from its weights (`hftk export CHE
                         "--model_name_or_path OUT; the optimizer state starts afresh)")
 UNIVERSAL_SUFFIX = ".universal"  # checkpoint-N.universal beside checkpoint-N: no Trainer or hftk name matches it
 UNIVERSAL_MARKER = "hftk_universal.json"  # which sealed checkpoint it was converted from, written last
-
-# ZeRO-3 knobs that are not derived from the hidden size (see the field notes: with DeepSpeed's
-# defaults ZeRO-3 peaked above DDP on small models). Counts are elements, not bytes.
-MAX_LIVE_PARAMETERS = 1_000_000
-MAX_REUSE_DISTANCE = 1_000_000
-SUB_GROUP_SIZE = 5_000_000  # the optimizer steps over the partition in groups this big
 
 # DeepSpeed keeps its fp32 master weights in these folders: global_step<N>/, named in `latest`.
 GLOBAL_STEP_RE = re.compile(r"^global_step\d+$")
@@ -281,14 +276,14 @@ def callbacks(trainer: Any) -> list[Any]:
 
 class DeepSpeedCallback(TrainerCallback):
     """At train begin (engine built, checkpoint loaded, no step yet), see :func:`share_fp32_master`;
-    and every rank's checkpoint file written through :func:`hftk.checkpoint.held_until_settled`, since
+    and every rank's checkpoint file written through :func:`hftk.checkpoint.atomic.held_until_settled`, since
     DeepSpeed's ``save_checkpoint`` ends in a barrier that a rank leaving at its failed write would skip."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from hftk.checkpoint import held_until_settled
+        from hftk.checkpoint.atomic import held_until_settled
 
         writer = self.trainer.model_wrapped.checkpoint_engine
         writer.save = held_until_settled(writer.save)
@@ -329,7 +324,7 @@ def save_final(trainer: Any, out_dir: Path) -> None:
     """The Trainer gathers ZeRO-3 partitions (16-bit gather flag on); then prove the folder complete."""
     trainer.save_model(str(out_dir))
     if trainer.args.should_save:
-        from hftk.hf_folder import check_complete, shapes_of
+        from hftk.checkpoint.hf_folder import check_complete, shapes_of
 
         check_complete(out_dir, shapes_of(trainer.model))
     if dist.is_initialized():

@@ -6,7 +6,7 @@ silently train plain DDP; and a plain Accelerator given an FSDP2 model wraps it 
 crashes on its DTensor parameters. One path serves CPU (gloo) and GPU (NCCL) alike:
 
 1. :func:`prepare_model` calls ``fully_shard`` on every decoder block (the class comes from
-   :func:`hftk.layout.decoder_block_class`), then on the root, which owns the embeddings, the
+   :func:`hftk.models.layout.decoder_block_class`), then on the root, which owns the embeddings, the
    final norm and the LM head, so tied input/output embeddings stay one sharded parameter. It
    marks the model as already prepared so accelerate does not wrap it in DDP.
 2. :class:`FSDPTrainer` is the HF Trainer with FSDP2's checkpoint I/O: sharded
@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from transformers import Trainer
 
-from hftk import lora
-from hftk.config import RunConfig
-from hftk.errors import HftkError
-from hftk.layout import decoder_block_class
+from hftk.config.options import RunConfig
+from hftk.core.errors import HftkError
+from hftk.models import lora
+from hftk.models.layout import decoder_block_class
 
 # A 4-bit base stores its packed bytes as compute-dtype elements (modeling.quantization_config), so every
 # parameter FSDP2 shards is floating point (torch's fully_shard cannot shard bitsandbytes' uint8 default).
@@ -205,7 +205,7 @@ def save_full_model(trainer: Any, out_dir: Path, original_format: bool = True) -
     ``original_format=False`` keeps the model's own parameter names (no transformers rename back
     to a family's original checkpoint names), so a resume loads the file as it is.
     """
-    from hftk.checkpoint import held_until_settled
+    from hftk.checkpoint.atomic import held_until_settled
 
     state = full_model_state_dict(trainer.model)
     if trainer.args.should_save:  # held in a checkpoint save: the others wait in the barrier below
@@ -214,7 +214,7 @@ def save_full_model(trainer: Any, out_dir: Path, original_format: bool = True) -
 
 
 def _write_full_folder(trainer: Any, out_dir: Path, state: dict[str, torch.Tensor], original_format: bool) -> None:
-    from hftk.hf_folder import check_complete, shapes_of
+    from hftk.checkpoint.hf_folder import check_complete, shapes_of
 
     out_dir.mkdir(parents=True, exist_ok=True)
     trainer.model.save_pretrained(out_dir, state_dict=state, is_main_process=True,
@@ -309,7 +309,7 @@ def is_fsdp_checkpoint(path: Path) -> bool:
 
 def fsdp_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The whole model from every rank's DCP shards, read in this one process (no process group)."""
-    from hftk.hf_folder import read_dcp_model
+    from hftk.checkpoint.hf_folder import read_dcp_model
 
     return read_dcp_model(path / SHARDED_MODEL_DIR)
 

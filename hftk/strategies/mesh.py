@@ -3,7 +3,7 @@
 Each strategy builds a :class:`MeshLayout` (who reads which tokens, how losses and gradients are
 combined); :class:`MeshStep` turns it into what :mod:`hftk.engine.loop` drives: a forward and
 backward over one accumulation window, clipping over mixed meshes, evaluation sums, DCP state
-(:mod:`hftk.mesh_checkpoint`) and the gathered final folder.
+(:mod:`hftk.strategies.mesh_checkpoint`) and the gathered final folder.
 
 Why not the Trainer here: on CPU accelerate refuses its ``ParallelismConfig``, and a plain
 ``Accelerator`` wraps a tensor-parallel model in DDP and crashes ("mixed torch.Tensor and
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hftk.chat import IGNORE_INDEX
-from hftk.errors import HftkError
+from hftk.core.errors import HftkError
+from hftk.data.chat import IGNORE_INDEX
 
 # TrainingArguments fields the loop honours for these strategies; anything else set explicitly is refused before launch.
 SUPPORTED_TRAINING = {
@@ -251,17 +251,17 @@ class MeshStep:
         return all_reduce_sum(torch.stack([total, token_count(batch)]), self.layout.data_groups)
 
     def save(self, folder: Path, optimizer: Any) -> None:
-        from hftk.mesh_checkpoint import write_state
+        from hftk.strategies.mesh_checkpoint import write_state
 
         write_state(folder, self.layout, optimizer)
 
     def load(self, folder: Path, optimizer: Any) -> None:
-        from hftk.mesh_checkpoint import read_state
+        from hftk.strategies.mesh_checkpoint import read_state
 
         read_state(folder, self.layout, optimizer)
 
     def save_final(self, out: Path, tokenizer: Any, write_extra: Callable[[Path], None], step: int) -> None:
-        from hftk.mesh_checkpoint import save_hf_folder
+        from hftk.strategies.mesh_checkpoint import save_hf_folder
 
         save_hf_folder(out, self.layout, tokenizer, write_extra)
 

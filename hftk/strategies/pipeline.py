@@ -1,6 +1,6 @@
 """Pipeline parallelism for GPT-style Hub models with ``torch.distributed.pipelining``.
 
-The HF model is cut along its own structure (:mod:`hftk.layout`): embeddings -> decoder
+The HF model is cut along its own structure (:mod:`hftk.models.layout`): embeddings -> decoder
 blocks -> final norm -> LM head, into contiguous stages balanced by parameter count. Each
 stage is a small :class:`DecoderStage` that calls the model's own submodules the way the
 model's forward does (position ids, rotary embeddings and the causal mask are rebuilt per
@@ -33,11 +33,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hftk.comm.collectives import all_reduce_flat
-from hftk.config import RunConfig, StrategyConfig
-from hftk.errors import HftkError
-from hftk.families import FAMILIES, supported_families
-from hftk.layout import DecoderLayout, layout
-from hftk.parallel_dims import ParallelDims, parallel_dims
+from hftk.config.family_table import FAMILIES, supported_families
+from hftk.config.options import RunConfig, StrategyConfig
+from hftk.core.errors import HftkError
+from hftk.models.layout import DecoderLayout, layout
+from hftk.strategies.parallel_dims import ParallelDims, parallel_dims
 
 MANIFEST = "pipeline.json"
 STAGE_FILE = "stage-{:02d}.safetensors"
@@ -54,7 +54,7 @@ def stages_per_rank(s: StrategyConfig) -> int:
 
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Every pipeline-specific mistake, named, before any process starts training."""
-    from hftk.modeling import load_model_config
+    from hftk.models.loading import load_model_config
 
     s = cfg.strategy
     parallel_dims(s, world_size)
@@ -119,7 +119,7 @@ def _refuse_combinations(cfg: RunConfig) -> None:
 
 def _check_resume_layout(cfg: RunConfig, world_size: int) -> None:
     """A pipeline checkpoint can only continue with the same stages, replicas and schedule."""
-    from hftk.checkpoint import resolve_resume
+    from hftk.checkpoint.atomic import resolve_resume
 
     resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))
     if not resume or not (Path(resume) / MANIFEST).is_file():
@@ -641,8 +641,8 @@ class PipelineStep:
         """Collective: the stages written once more, then rank 0 consolidates them into one HF folder."""
         import shutil
 
-        from hftk.checkpoint import staged_folder, staging_root
-        from hftk.hf_folder import check_complete, model_from, shapes_of
+        from hftk.checkpoint.atomic import staged_folder, staging_root
+        from hftk.checkpoint.hf_folder import check_complete, model_from, shapes_of
 
         stages = staging_root(out.parent) / "final-stages"
         if dist.get_rank() == 0:

@@ -31,19 +31,19 @@ from typing import Any
 import torch
 
 from hftk.comm.collectives import BUCKET_BYTES, all_reduce_flat
-from hftk.config import RunConfig
-from hftk.errors import HftkError
+from hftk.config.options import RunConfig
+from hftk.config.support import check_family, check_lora
+from hftk.core.errors import HftkError
 from hftk.strategies.mesh import LOOP_DEFAULTS as MESH_LOOP_DEFAULTS
 from hftk.strategies.mesh import mesh_step
-from hftk.parallel_dims import parallel_dims
-from hftk.support import check_family, check_lora
+from hftk.strategies.parallel_dims import parallel_dims
 
 ATTENTION = "sdpa"
 
 
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Degrees, attention kernel, sequence and head divisibility, supported options; before any process group."""
-    from hftk.modeling import load_model_config
+    from hftk.models.loading import load_model_config
     from hftk.strategies.mesh import check_training_options
 
     s = cfg.strategy
@@ -116,6 +116,7 @@ def sequence_slice(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict
 def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     """Build the ``(dp, sp)`` mesh, register Ulysses, and say how the loop feeds and combines the ranks."""
     import torch.distributed as dist
+
     from hftk.strategies.mesh import MeshLayout
 
     sp = cfg.strategy.sp_size
@@ -140,15 +141,15 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
 
 
 def estimate_memory(shape: Any, inputs: Any, sp: int) -> Any:
-    """Per-rank bytes of ``sp`` (an :class:`hftk.plan.StrategyPlan`): the whole model, 1/sp of the activations.
+    """Per-rank bytes of ``sp`` (an :class:`hftk.plan.estimate.StrategyPlan`): the whole model, 1/sp of the activations.
 
     Parameters, gradients and AdamW state are replicated (as under DDP); the flat all-reduce bucket
     is the transient. Each rank keeps ``s / sp`` tokens of every activation and attends over the
     whole sequence for ``a / sp`` heads, so per layer ``b s h (34 + 5 a s / h) / sp``, the score
     term only under eager attention (SDPA and flash kernels keep no scores).
     """
-    from hftk.activations import SCORE_KEEPING
-    from hftk.plan_types import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
+    from hftk.models.activations import SCORE_KEEPING
+    from hftk.plan.types import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
 
     w = DTYPE_BYTES[inputs.dtype]
     b, s, h = inputs.micro_batch, inputs.seq_len, shape.hidden

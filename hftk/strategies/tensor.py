@@ -27,17 +27,17 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from hftk.config import RunConfig
-from hftk.errors import HftkError
+from hftk.config.options import RunConfig
+from hftk.config.support import check_lora
+from hftk.core.errors import HftkError
 from hftk.strategies.mesh import LOOP_DEFAULTS as MESH_LOOP_DEFAULTS
 from hftk.strategies.mesh import mesh_step
-from hftk.parallel_dims import MESH_LOOP_DIMS, parallel_dims
-from hftk.support import check_lora
+from hftk.strategies.parallel_dims import MESH_LOOP_DIMS, parallel_dims
 
 
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Mesh sizes, model plan and divisibility, and the options this layout supports, before any process group."""
-    from hftk.modeling import load_model_config
+    from hftk.models.loading import load_model_config
     from hftk.strategies import context, tp_plans
     from hftk.strategies.mesh import check_training_options, device_type
 
@@ -66,7 +66,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
 
 def shard_data_parallel(model: Any, mesh: Any, reshard_after_forward: bool) -> None:
     """FSDP2 over the data-parallel mesh dimensions and ``cp``: each decoder block, then the root."""
-    from hftk.layout import layout as decoder_layout
+    from hftk.models.layout import layout as decoder_layout
     from hftk.strategies.fsdp import apply_fsdp
 
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # the ranks that hold the same tensor-parallel shard
@@ -115,7 +115,7 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
 
 
 def estimate_memory(shape: Any, inputs: Any, tp: int, replicated: int, cp: int = 1) -> Any:
-    """Per-rank bytes of ``tp`` / ``cp`` (an :class:`hftk.plan.StrategyPlan`): TP over ``tp``, FSDP2 over the rest.
+    """Per-rank bytes of ``tp`` / ``cp`` (an :class:`hftk.plan.estimate.StrategyPlan`): TP over ``tp``, FSDP2 over the rest.
 
     ``replicated`` parameters (:func:`hftk.strategies.tp_plans.replicated_params`) stay whole under
     TP; everything else is split ``tp`` ways, then FSDP2 splits what a rank holds over
@@ -125,8 +125,8 @@ def estimate_memory(shape: Any, inputs: Any, tp: int, replicated: int, cp: int =
     the 1/cp of each sequence a rank holds and the score term becomes a neighbour's K/V block
     ``2 / t`` (the ring's kernels keep no scores either); the logits are vocabulary-sharded.
     """
-    from hftk.activations import SCORE_KEEPING
-    from hftk.plan_types import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
+    from hftk.models.activations import SCORE_KEEPING
+    from hftk.plan.types import DTYPE_BYTES, RUNTIME_BYTES, StrategyPlan
 
     data = max(inputs.world_size // tp, 1)
     w = DTYPE_BYTES[inputs.dtype]
@@ -156,7 +156,7 @@ def plan_rows(model_config: Any, shape: Any, inputs: Any, tp_size: int, sp_size:
     Which layout suits a model is a question of interconnect and sequence length, not only of
     memory, so these rows inform and the pick stays among the data-parallel strategies.
     """
-    from hftk.plan_types import HEADROOM
+    from hftk.plan.types import HEADROOM
     from hftk.strategies import sequence, tp_plans
 
     for name, degree in (("--tp_size", tp_size), ("--sp_size", sp_size), ("--cp_size", cp_size),

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from hftk.errors import HftkError
-from hftk.families import FAMILIES
+from hftk.config.family_table import FAMILIES
+from hftk.core.errors import HftkError
 
 # hftk's plan for GPT-2 after :func:`gpt2_to_linear`, relative to the model root.
 GPT2_PLAN = {

@@ -1,4 +1,4 @@
-"""glibc told to give freed memory back (hftk.allocator), each case in a fresh process: freed blocks
+"""glibc told to give freed memory back (hftk.core.allocator), each case in a fresh process: freed blocks
 really leave the RSS, and a user's own setting wins."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from hftk import allocator
+from hftk.core import allocator
 from tests.helpers import run
 
 # One 8 MiB block freed (glibc's default then raises its mmap threshold to 8 MiB), 64 blocks of 1 MiB
 # written, a 48 KiB block above them, the 64 freed: what stays resident is what glibc kept.
 CHURN = """
 import ctypes, json, sys
-from hftk import allocator
+from hftk.core import allocator
 applied = allocator.return_freed_memory() if sys.argv[1] == "on" else {}
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import textwrap
 
-from hftk.builtin import WEIGHTS
+from hftk.data.builtin import WEIGHTS
 from tests.helpers import torchrun
-from tests.unit.test_builtin import NAME
+from tests.unit.data.test_builtin import NAME
 
 
 def test_a_rank_transformers_skips_never_publishes_a_folder(builtin_cache, tmp_path):
@@ -20,8 +20,8 @@ def test_a_rank_transformers_skips_never_publishes_a_folder(builtin_cache, tmp_p
     worker.write_text(textwrap.dedent(f"""
         import sys
         import torch.distributed as dist
-        from hftk.builtin import WEIGHTS, materialize_model
-        from hftk.errors import HftkError
+        from hftk.data.builtin import WEIGHTS, materialize_model
+        from hftk.core.errors import HftkError
 
         dist.init_process_group("gloo")
         rank = dist.get_rank()

@@ -144,9 +144,9 @@ def test_the_long_conversation_is_truncated_and_counted(runs):
 def test_saved_tokenizer_renders_prompts_as_in_training(runs, folder):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hftk.chat import resolve_template
-    from hftk.config import ModelConfig
-    from hftk.modeling import load_tokenizer
+    from hftk.config.options import ModelConfig
+    from hftk.data.chat import resolve_template
+    from hftk.models.loading import load_tokenizer
 
     root, _, _ = runs
     trained = load_tokenizer(ModelConfig(model_name_or_path="builtin:gpt2-tiny"), "chatml")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hftk.comm.register import state_path
-from tests.helpers import FINETUNE, ROOT, finetune_cells, load_weights, losses, max_weight_diff, metrics, python, torchrun
+from tests.helpers import (FINETUNE, ROOT, finetune_cells, load_weights, losses, max_weight_diff, metrics, python,
+                           torchrun)
 from tests.netns import run_on_two_hosts
 
 HOOKS = ("none", "fp16", "bf16", "powersgd", "topk")
@@ -27,7 +28,7 @@ def hook_runs(tmp_path_factory):
     """ONE 2-rank launch: every hook for 100 steps at bucket caps 1, 25 and 0.05 MB, and one step of
     each on a ~90M-parameter GPT-2 for the byte counts. gpt2-tiny has 1 MB of gradients: caps 1 and 25
     give one bucket, 0.05 gives eight (the case that hangs torch's PowerSGD hook on gloo)."""
-    from hftk.builtin import materialize_model
+    from hftk.data.builtin import materialize_model
 
     materialize_model("builtin:gpt2-90m")
     root = tmp_path_factory.mktemp("comm")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT, free_port, python, require_ranks, run
-from tests.unit.test_launch import CONFIGS, _deepspeed_env
+from tests.unit.launch.test_configs import CONFIGS, _deepspeed_env
 
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 

@@ -148,7 +148,7 @@ def _reload(folder: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ("zero3", "zero3_offload"))
 def test_final_folder_is_complete_and_tied(launched, strategy, tmp_path):
-    from hftk.export import export
+    from hftk.publish.export import export
 
     final = launched(strategy) / "final"
     model = _reload(final)
@@ -165,9 +165,9 @@ def _eval_loss(model_dir: Path, out: Path) -> float:
     """Eval loss of a saved model on the runs' held-out split, in this process (no launcher)."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
-    from hftk.data import tokenize_and_pack
-    from hftk.modeling import load_tokenizer
-    from hftk.run import prepare
+    from hftk.data.dataset import tokenize_and_pack
+    from hftk.models.loading import load_tokenizer
+    from hftk.run.prepare import prepare
 
     prepared = prepare([*TINY_ARGS, "--output_dir", str(out)])
     data = tokenize_and_pack(prepared.cfg.data, prepared.raw, load_tokenizer(prepared.cfg.model),
@@ -197,7 +197,7 @@ def test_export_of_zero3_checkpoint_gives_the_live_eval_loss(launched, tmp_path)
 
 @pytest.mark.slow
 def test_export_of_ddp_checkpoint(launched, tmp_path):
-    from hftk.export import export
+    from hftk.publish.export import export
 
     checkpoint = launched("ddp") / f"checkpoint-{STEPS}"
     assert export(checkpoint, tmp_path / "out") == "safetensors"

@@ -3,11 +3,10 @@ checkpoints are never overwritten."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.helpers import FINETUNE, python
-from tests.unit.test_errors import _one_error_line
+from tests.unit.core.test_errors import _one_error_line
 
 
 @pytest.mark.parametrize("args,field", [(["--blok_size", "64"], "--blok_size"),

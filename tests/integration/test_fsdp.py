@@ -130,9 +130,9 @@ def _eval_loss(model_dir: Path, tmp_path: Path) -> float:
     """The Trainer's eval_loss of ``model_dir`` on the run's held-out blocks, in this one process."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
-    from hftk.data import tokenize_and_pack
-    from hftk.modeling import load_tokenizer
-    from hftk.run import prepare
+    from hftk.data.dataset import tokenize_and_pack
+    from hftk.models.loading import load_tokenizer
+    from hftk.run.prepare import prepare
 
     prepared = prepare([*TINY_ARGS, "--output_dir", str(tmp_path / "probe")])
     cfg = prepared.cfg
@@ -147,7 +147,7 @@ def _eval_loss(model_dir: Path, tmp_path: Path) -> float:
 
 @pytest.mark.slow
 def test_export_reloads_with_the_live_eval_loss(runs, tmp_path):
-    from hftk.export import export
+    from hftk.publish.export import export
 
     live = [m["eval_loss"] for m in metrics(runs / "fsdp") if "eval_loss" in m][-1]
     sharded, full = tmp_path / "from_sharded", tmp_path / "from_full"

@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 
-from hftk.hub import MODEL_PATTERNS, folder_files
-from hftk.run_record import CARD_FILE, RUN_FILE
+from hftk.checkpoint.run_record import CARD_FILE, RUN_FILE
+from hftk.publish.hub import MODEL_PATTERNS, folder_files
 from tests.faults import REPO, TOKEN, hub_env, hub_server, reference_run
 from tests.helpers import TINY_ARGS, load_weights, max_weight_diff, metrics, python
 
@@ -131,8 +131,8 @@ def test_each_hub_strategy_pushes_what_it_says(pushed, tmp_path, monkeypatch, st
 
     import huggingface_hub.constants
 
-    from hftk.config import load_config
-    from hftk.hub import RunPusher
+    from hftk.config.options import load_config
+    from hftk.publish.hub import RunPusher
 
     out, _, hub, _ = pushed
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.base_url)

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from hftk.bench.launch import torchrun_command
-from hftk.checkpoint import STAGING_DIR, list_checkpoints, resolve_resume
-from tests.helpers import (FINETUNE, ROOT, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, rank_exit_codes, run,
-                           torchrun)
+from hftk.checkpoint.atomic import STAGING_DIR, list_checkpoints, resolve_resume
+from tests.helpers import (FINETUNE, ROOT, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, rank_exit_codes,
+                           run, torchrun)
 
 WORKERS = ROOT / "tests" / "workers"
 FULL_BYTES = 300_000  # the tiny model's weights (~1 MB) and optimizer state no longer fit; its RNG files do

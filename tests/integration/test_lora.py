@@ -2,7 +2,7 @@
 strategy saves the complete adapter (final folder and checkpoints) equal to one process's, the
 adapter and the merged export reload at the live eval loss, the Hub gets the adapter or the
 merged model with a card naming the base, the plan counts only the adapters (the in-process checks:
-tests/unit/test_lora.py).
+tests/unit/models/test_lora.py).
 
 Runs, shared by the module fixture (each on warm ranks: ``tests.helpers.finetune_cells``) (tiny tied GPT-2, dropout off, r=8 on the default
 targets c_attn/c_proj/c_fc, 10 steps at global batch 8, clipping 1.0, checkpoints at 5 and 10,
@@ -88,7 +88,7 @@ def expected_adapter_shapes() -> dict[str, tuple[int, ...]]:
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hftk.builtin import materialize_model
+    from hftk.data.builtin import materialize_model
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(materialize_model("builtin:gpt2-tiny")))
@@ -174,7 +174,7 @@ def test_adapter_and_merged_export_reload_at_the_live_eval_loss(runs, name, tmp_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from hftk.export import main as export_main
+    from hftk.publish.export import main as export_main
 
     root, _, _ = runs
     live = [m["eval_loss"] for m in metrics(root / name) if "eval_loss" in m][-1]
@@ -220,18 +220,18 @@ def test_hub_gets_the_adapter_or_the_merged_model_with_a_card_naming_the_base(ru
 @pytest.mark.slow
 def test_memory_plan_counts_only_the_adapters(runs):
     """The plan's trainable count, gradient and optimizer bytes are what the DDP ranks measured."""
-    from hftk import plan
-    from hftk.modeling import load_model_config
-    from hftk.config import ModelConfig
+    from hftk.config.options import ModelConfig
+    from hftk.models.loading import load_model_config
+    from hftk.plan import estimate
 
     root, _, _ = runs
-    shape = plan.model_shape(load_model_config(ModelConfig(model_name_or_path="builtin:gpt2-tiny")), lora_r=8)
-    full = plan.model_shape(load_model_config(ModelConfig(model_name_or_path="builtin:gpt2-tiny")))
+    shape = estimate.model_shape(load_model_config(ModelConfig(model_name_or_path="builtin:gpt2-tiny")), lora_r=8)
+    full = estimate.model_shape(load_model_config(ModelConfig(model_name_or_path="builtin:gpt2-tiny")))
     assert shape.trainable == 16_384 and full.trainable == full.params == shape.params - 16_384
-    inputs = plan.PlanInputs(world_size=2, device_memory_bytes=1 << 34, seq_len=64, micro_batch=4, device="cpu")
-    estimate = plan.estimate("ddp", shape, inputs)
+    inputs = estimate.PlanInputs(world_size=2, device_memory_bytes=1 << 34, seq_len=64, micro_batch=4, device="cpu")
+    row = estimate.estimate("ddp", shape, inputs)
     (measured,) = [m["model_state"] for m in metrics(root / "ddp") if "model_state" in m]
     for rank in measured:
-        assert rank["grads"] == estimate.grads == 4 * 16_384  # no gradient for the frozen base
-        assert 0 <= rank["optimizer"] - estimate.optimizer <= 16 * 8  # AdamW moments (+ one step counter per tensor)
-    assert estimate.optimizer < plan.estimate("ddp", full, inputs).optimizer / 10
+        assert rank["grads"] == row.grads == 4 * 16_384  # no gradient for the frozen base
+        assert 0 <= rank["optimizer"] - row.optimizer <= 16 * 8  # AdamW moments (+ one step counter per tensor)
+    assert row.optimizer < estimate.estimate("ddp", full, inputs).optimizer / 10

@@ -1,9 +1,9 @@
 """Every strategy x every family hftk claims x {full, LoRA}: trains and saves a loadable ``final/``, or
-is refused before launch, exactly as ``hftk.support.expected`` says (the table the README renders).
+is refused before launch, exactly as ``hftk.config.support.expected`` says (the table the README renders).
 
 The models are made here from each family's default config (small sizes) with ``save_pretrained``,
 as a user's own folder would be, not hftk's built-ins. A refusal is found in-process by
-``hftk.run.prepare`` (validation, before any process group, as ``hftk train`` runs it). Every cell
+``hftk.run.prepare.prepare`` (validation, before any process group, as ``hftk train`` runs it). Every cell
 that passes validation runs for real on 2 gloo ranks for 2 optimizer steps, each ``scripts/finetune.py``
 on warm ranks of its own (tests/warm.py: forked from a process that has the imports done).
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from hftk.families import FAMILIES
-from hftk.support import STRATEGIES, Refusal, expected
+from hftk.config.family_table import FAMILIES
+from hftk.config.support import STRATEGIES, Refusal, expected
 from tests.helpers import FINETUNE, TWO_RANKS, losses, make_family, torchrun
 
 # The first ZeRO-3 offload cell builds DeepSpeed's cpu_adam op once per machine (minutes, cached after).
@@ -40,8 +40,8 @@ def cell_argv(strategy: str, model: Path, lora: bool, out: Path) -> list[str]:
 
 def refusal(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Refusal | None:
     """The one-line refusal ``hftk train`` would print before launch on 2 ranks, or None."""
-    from hftk.errors import HftkError
-    from hftk.run import prepare
+    from hftk.core.errors import HftkError
+    from hftk.run.prepare import prepare
 
     with monkeypatch.context() as env:
         for key, value in TWO_RANKS.items():

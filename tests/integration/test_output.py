@@ -1,5 +1,5 @@
 """A run's screen holds hftk's progress bar, metrics and one-line messages, not the libraries' notices
-(hftk.output.quiet_libraries)."""
+(hftk.core.output.quiet_libraries)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, finetune, noise_in
+
 
 @pytest.mark.slow
 def test_default_ddp_run_prints_only_hftk_progress_metrics_and_lines(tmp_path):
@@ -31,7 +32,7 @@ def test_default_ddp_run_prints_only_hftk_progress_metrics_and_lines(tmp_path):
 QUIET_CHECK = r"""
 import logging, os, sys
 os.environ["WANDB_MODE"] = "offline"
-from hftk.output import quiet_libraries
+from hftk.core.output import quiet_libraries
 quiet_libraries(on_cpu=True)
 import datasets, huggingface_hub.utils as hub
 from transformers.utils import logging as hf_logging
@@ -58,7 +59,7 @@ dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=
 dist.all_gather_into_tensor(torch.zeros(2), torch.ones(2))  # what ZeRO-2 calls: torch's deprecation warning
 dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2))  # ZeRO-3's, at every step
 warnings.warn("`old_arg` is deprecated", FutureWarning)  # kept: any other
-from hftk.output import DEEPSPEED_OP_BUILT, printed_lines_dropped
+from hftk.core.output import DEEPSPEED_OP_BUILT, printed_lines_dropped
 with printed_lines_dropped(DEEPSPEED_OP_BUILT):  # as strategies.deepspeed starts DeepSpeed's comm
     print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
     print("a line DeepSpeed means")

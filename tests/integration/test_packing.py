@@ -3,8 +3,8 @@ losses of one process and every packing mode resumes exactly.
 
 The in-process exactness checks (an example packed by best-fit decreasing gives the logits of the same
 example alone, through the collator, the pipeline stages and the mesh step's batch) are in
-tests/unit/test_data.py, tests/unit/strategies/test_pipeline.py and tests/unit/strategies/test_mesh.py;
-where each strategy stands (``hftk.support.PACKING_SUPPORT``) in tests/unit/test_support.py.
+tests/unit/data/test_dataset.py, tests/unit/strategies/test_pipeline.py and tests/unit/strategies/test_mesh.py;
+where each strategy stands (``hftk.config.support.PACKING_SUPPORT``) in tests/unit/config/test_support.py.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ import json
 import pytest
 import torch
 
+from tests.faults import hub_env
 from tests.helpers import (FINETUNE, TINY_ARGS, finetune_cells, load_weights, losses, max_weight_diff, metrics,
                            plain_reference, python)
-from tests.faults import hub_env
 from tests.unit.strategies.test_pipeline import MODELS, PIPE
 
 STEPS = 5
@@ -132,7 +132,7 @@ def test_resume_from_checkpoint_is_exact(runs):
 def test_run_record_and_card_count_processes_and_replicas(runs, folder, processes, replicas):
     """2 stages on 2 processes is one replica over 2 processes (it was recorded as 1 process); the
     global batch counts replicas only."""
-    from hftk.run_record import CARD_FILE, RUN_FILE
+    from hftk.checkpoint.run_record import CARD_FILE, RUN_FILE
 
     final = runs / folder / "final"
     record = json.loads((final / RUN_FILE).read_text())
@@ -146,8 +146,8 @@ def test_run_record_and_card_count_processes_and_replicas(runs, folder, processe
 @pytest.mark.slow
 def test_final_folder_of_a_pipeline_run_is_pushed_to_the_hub(runs, hub):
     """The consolidated folder (rank 0 gathers the stages) is what reaches the Hub, with its card."""
-    from hftk.hub import folder_files
-    from hftk.run_record import CARD_FILE
+    from hftk.checkpoint.run_record import CARD_FILE
+    from hftk.publish.hub import folder_files
 
     final = runs / "gpt2-dp" / "final"
     files = hub.state.files(REPO)
@@ -162,10 +162,10 @@ def test_export_reloads_with_reference_eval_loss(runs, tmp_path):
     """`hftk export` of a per-stage checkpoint -> from_pretrained -> the Trainer's eval loss = the reference's."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
-    from hftk.data import tokenize_and_pack
-    from hftk.export import export
-    from hftk.modeling import load_tokenizer
-    from hftk.run import prepare
+    from hftk.data.dataset import tokenize_and_pack
+    from hftk.models.loading import load_tokenizer
+    from hftk.publish.export import export
+    from hftk.run.prepare import prepare
 
     assert export(runs / "gpt2-1f1b" / f"checkpoint-{STEPS}", tmp_path / "hf") == "pipeline"
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hftk import allocator
-from hftk.builtin import builtin_model_config
-from hftk.plan import GIB, HEADROOM, MIB, PLAN_STRATEGIES, PlanInputs, estimate, model_shape, plan
+from hftk.core import allocator
+from hftk.data.builtin import builtin_model_config
+from hftk.plan.estimate import GIB, HEADROOM, MIB, PLAN_STRATEGIES, PlanInputs, estimate, model_shape, plan
 from tests.helpers import FINETUNE, ROOT, finetune_cells, free_port, metrics, run, torchrun
 
 ACCELERATE = Path(sys.executable).with_name("accelerate")
@@ -70,7 +70,7 @@ def test_plan_predicts_each_ranks_model_state_within_5_percent(measured, tiny_sh
 @pytest.mark.slow
 def test_auto_budget_holds_without_any_allocator_setting(tmp_path, monkeypatch):
     """gpt2-90m on 2 gloo ranks under a budget only a sharded strategy fits: every rank's measured
-    training-phase peak RSS stays under it. The test sets no MALLOC_* variable (hftk.allocator tunes
+    training-phase peak RSS stays under it. The test sets no MALLOC_* variable (hftk.core.allocator tunes
     glibc itself; with glibc's defaults FSDP's peak was twice the plan's). The same run shows the
     evaluation line: blocks capped by data.max_eval_samples, batches per rank."""
     for name in [*allocator.SETTINGS, "GLIBC_TUNABLES"]:

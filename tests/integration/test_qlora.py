@@ -1,7 +1,7 @@
 """QLoRA (a bitsandbytes 4-bit / 8-bit base), DoRA and 8-bit AdamW on 2 gloo ranks: losses equal one
 process's run of the same options within the LoRA suite's tolerance (tests/integration/test_lora.py), the
 saved adapter loads with ``PeftModel.from_pretrained`` onto the quantized base and gives the run's own
-final eval loss (what does not run is refused before launch by name: tests/unit/test_lora.py).
+final eval loss (what does not run is refused before launch by name: tests/unit/models/test_lora.py).
 
 Each run is its own warm launch (tests/warm.py): one process x batch 8 (the references), then 2 ranks
 x 4 (ddp, fsdp). Tiny GPT-2 (transformers swaps its Conv1D layers for bitsandbytes ``Linear4bit``, so
@@ -30,7 +30,7 @@ COMMON = ["--lora_r", "8", "--learning_rate", "5e-3", "--adam_epsilon", "1e-4", 
 GPT2, LLAMA = ["--model_name_or_path", "builtin:gpt2-tiny"], ["--model_name_or_path", "builtin:llama-tiny"]
 Q4 = ["--load_in_4bit"]
 # A Llama whose MLP width is not a multiple of 64 (bitsandbytes' quantization block), made in the fixture:
-# the shape bitsandbytes' packed CPU eval kernel could not take (hftk.modeling.evaluate_4bit_as_trained).
+# the shape bitsandbytes' packed CPU eval kernel could not take (hftk.models.loading.evaluate_4bit_as_trained).
 ODD_SIZES = {"intermediate_size": 160, "num_hidden_layers": 4}
 ODD = ["--model_name_or_path", "<odd-llama>"]
 # name -> (options, strategies on 2 ranks); the reference is the same options in one process
@@ -93,8 +93,8 @@ def quantized_base(case: str, runs: Path):
     evaluated with the kernel they train with, as hftk's ``load_model`` keeps them)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from hftk.builtin import materialize_model
-    from hftk.modeling import evaluate_4bit_as_trained
+    from hftk.data.builtin import materialize_model
+    from hftk.models.loading import evaluate_4bit_as_trained
 
     options, _ = CASES[case]
     model = runs / "odd-llama" if options[1] == ODD[1] else materialize_model(options[1])
@@ -128,7 +128,7 @@ def test_dora_adapter_holds_magnitudes_as_peft_saves_them(runs):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from hftk.builtin import materialize_model
+    from hftk.data.builtin import materialize_model
 
     folder = runs / "ddp-gpt2-dora" / "final"
     config = json.loads((folder / "adapter_config.json").read_text())
@@ -160,7 +160,7 @@ def test_merged_export_is_the_dequantized_base_plus_adapter(runs, tmp_path):
     live eval loss -- the adapter merged into the base it was trained against -- and a card saying so."""
     from transformers import AutoModelForCausalLM
 
-    from hftk.export import main as export_main
+    from hftk.publish.export import main as export_main
 
     run, out = runs / "fsdp-gpt2-4bit", tmp_path / "merged"
     assert export_main([str(run / "final"), str(out), "--merge"]) == 0

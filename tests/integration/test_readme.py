@@ -21,7 +21,7 @@ def test_readme_main_command_trains_two_ranks(tmp_path):
     assert result.returncode == 0, result.output[-5000:]
     # the profiled steps (3 and every 50th) leave no libkineto marker lines between the progress updates
     assert "profiler_start" not in result.output and "profiler_stop" not in result.output
-    assert not noise_in(result.output), noise_in(result.output)  # nor the libraries' notices (hftk.output)
+    assert not noise_in(result.output), noise_in(result.output)  # nor the libraries' notices (hftk.core.output)
     out = tmp_path / "default"
     logged = metrics(out)
     train_losses = [m["loss"] for m in logged if "loss" in m]
@@ -29,11 +29,10 @@ def test_readme_main_command_trains_two_ranks(tmp_path):
     assert any("eval_perplexity" in m for m in logged)
     assert sorted(out.glob("checkpoint-*")) and (out / "final" / "model.safetensors").exists()
     # two ranks really split the data: 2 epochs took blocks / (2 ranks x 8) steps each
-    from hftk.config import load_config
-    from hftk.data import check_raw, load_raw, tokenize_and_pack
-    from hftk.modeling import load_tokenizer
-
-    from hftk.validate import resolve_packing
+    from hftk.config.options import load_config
+    from hftk.data.dataset import check_raw, load_raw, tokenize_and_pack
+    from hftk.models.loading import load_tokenizer
+    from hftk.run.validate import resolve_packing
 
     cfg = load_config([])
     raw = load_raw(cfg.data)

@@ -17,11 +17,11 @@ import sys
 import pytest
 import torch
 
-from hftk.checkpoint import COMPLETE_MARKER, STAGING_DIR, is_complete, list_checkpoints
-from hftk.resilience import EXIT_NONFINITE, EXIT_PREEMPTED
+from hftk.checkpoint.atomic import COMPLETE_MARKER, STAGING_DIR, is_complete, list_checkpoints
+from hftk.engine.resilience import EXIT_NONFINITE, EXIT_PREEMPTED
 from tests.faults import (RUN_ARGS, SAVE_STEPS, STEPS, fault_step, reference_run, side_by_side, start, wait_for_step,
                           worker_pid)
-from tests.helpers import (FINETUNE, Launch, ROOT, TINY_ARGS, free_port, load_weights, losses, max_weight_diff, metrics,
+from tests.helpers import (FINETUNE, ROOT, TINY_ARGS, Launch, free_port, load_weights, losses, max_weight_diff, metrics,
                            python, torchrun)
 
 pytestmark = pytest.mark.slow
@@ -105,7 +105,7 @@ def test_hftk_push_consolidates_a_zero3_checkpoint_of_shards_only(zero3_killed, 
     import huggingface_hub.constants
     from safetensors.torch import load
 
-    from hftk.hub import push_command
+    from hftk.publish.hub import push_command
     from tests.faults import TOKEN, hub_server
 
     root = zero3_killed[0]
@@ -325,7 +325,7 @@ def test_the_previous_checkpoint_was_left_intact(torn, reference):
 def test_a_checkpoint_without_its_marker_is_never_picked(tmp_path, reference):
     import shutil
 
-    from hftk.checkpoint import resolve_resume
+    from hftk.checkpoint.atomic import resolve_resume
 
     for step in (5, 10):
         shutil.copytree(reference / f"checkpoint-{step}", tmp_path / f"checkpoint-{step}")
@@ -407,8 +407,8 @@ def elastic_envs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", LAUNCHES)
 def test_restarts_torch_cannot_carry_out_are_refused_before_training(elastic_envs, name):
-    from hftk.errors import HftkError
-    from hftk.resilience import check_restartable
+    from hftk.core.errors import HftkError
+    from hftk.engine.resilience import check_restartable
 
     if LAUNCHES[name][2]:
         with pytest.raises(HftkError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from hftk.startup import PHASES
+from hftk.core.startup import PHASES
 from tests.helpers import ROOT, TINY_ARGS, metrics, run, torchrun_command
 
 pytestmark = pytest.mark.slow

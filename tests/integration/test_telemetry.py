@@ -26,7 +26,7 @@ def test_flops_per_token_counts_zero3_partitioned_parameters_whole():
 
 PEAK_WINDOW = """
 import torch
-from hftk.telemetry import peak_memory_bytes, reset_peak_memory
+from hftk.telemetry.rank_monitor import peak_memory_bytes, reset_peak_memory
 
 cpu = torch.device("cpu")
 assert reset_peak_memory(cpu)

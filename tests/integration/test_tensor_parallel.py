@@ -5,7 +5,7 @@ PyTorch loop on one process (tests/reference/plain.py: no hftk, torch's AdamW as
 it, the mean loss over every predicted token); Llama's is the mesh loop at degree 1 on one process
 (its checkpoint and memory counts serve the export and memory tests), itself checked against the
 plain loop. The in-process checks (plans, shards, loop rules, refusals) are in tests/unit/strategies/
-(test_tp_plans.py, test_context.py, test_mesh.py), tests/unit/engine/test_loop.py and tests/unit/test_plan.py.
+(test_tp_plans.py, test_context.py, test_mesh.py), tests/unit/engine/test_loop.py and tests/unit/plan/test_estimate.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.faults import hub_env
-from tests.helpers import (ROOT, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, metrics,
-                           plain_reference, torchrun, wandb_run)
+from tests.helpers import (ROOT, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, metrics, plain_reference,
+                           torchrun, wandb_run)
 
 STEPS = 5
 TOL = 1e-5
@@ -36,7 +36,7 @@ def _run(root, name: str, nproc: int, args: list[str]):
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    from hftk.builtin import materialize_model
+    from hftk.data.builtin import materialize_model
 
     for name in ("builtin:llama-tiny", "builtin:neox-tiny"):
         materialize_model(name)  # once, before ranks race for it
@@ -281,8 +281,8 @@ def test_resume_under_tp_or_cp_is_exact(request, run, layout, tmp_path):
 
 @pytest.mark.slow
 def test_final_folder_of_a_tp_run_is_pushed_to_the_hub(gpt2_tp, hub):
-    from hftk.hub import folder_files
-    from hftk.run_record import CARD_FILE
+    from hftk.checkpoint.run_record import CARD_FILE
+    from hftk.publish.hub import folder_files
 
     files = hub.state.files(REPO)
     local = folder_files(gpt2_tp / "final")
@@ -321,8 +321,8 @@ def test_memory_per_rank_shrinks_with_the_mesh(llama_ref, llama_tp, tp_fsdp):
 @pytest.mark.slow
 def test_memory_plan_predicts_the_counted_model_state(llama_tp, tp_fsdp, sp_run, llama_cp):
     """`hftk plan --tp_size / --sp_size / --cp_size` rows (from the config alone) equal what each rank counted."""
-    from hftk.builtin import builtin_model_config
-    from hftk.plan import PlanInputs, model_shape
+    from hftk.data.builtin import builtin_model_config
+    from hftk.plan.estimate import PlanInputs, model_shape
     from hftk.strategies import sequence, tensor, tp_plans
 
     config = builtin_model_config("builtin:llama-tiny")
@@ -360,7 +360,7 @@ def test_the_mesh_loop_monitors_every_rank(llama_tp, tp_fsdp, sp_run, llama_cp):
         assert all(entry["peak"] / 2**20 >= 0.99 * peak for entry, peak in zip(training_peak, peaks)), run
     # compute time measured everywhere: autograd accumulates into the TP / SP leaves, FSDP2 calls the
     # post-accumulate-grad hooks itself after its reduce-scatter
-    from hftk.config import TrackingConfig
+    from hftk.config.options import TrackingConfig
 
     for run in (llama_tp, tp_fsdp, sp_run, llama_cp):
         for record in (m for m in metrics(run) if "rank_stats" in m):
@@ -407,7 +407,7 @@ def _assert_continues(full_run, resumed) -> None:
 
 @pytest.mark.slow
 def test_export_of_tp_and_cp_checkpoints_equals_the_reference(llama_ref, llama_tp, llama_cp, tmp_path):
-    from hftk.export import main as export_main
+    from hftk.publish.export import main as export_main
 
     assert export_main([str(llama_ref / "checkpoint-3"), str(tmp_path / "ref")]) == 0
     for name, run in (("tp", llama_tp), ("cp", llama_cp)):
@@ -420,11 +420,10 @@ def test_export_of_tp_and_cp_checkpoints_equals_the_reference(llama_ref, llama_t
 def test_final_folder_reloads_with_from_pretrained_and_gives_the_reference_eval_loss(request, model, run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hftk.data import tokenize_and_pack
-    from hftk.data import collator
-    from hftk.modeling import load_tokenizer
+    from hftk.data.dataset import collator, tokenize_and_pack
+    from hftk.models.loading import load_tokenizer
+    from hftk.run.prepare import prepare
     from hftk.strategies.mesh import loss_sum, model_batch, token_count
-    from hftk.run import prepare
 
     ref, run = request.getfixturevalue(f"{model}_ref"), request.getfixturevalue(run)
     prepared = prepare([*TINY_ARGS, *(LLAMA if model == "llama" else GPT2), "--output_dir", str(tmp_path / "x")])

@@ -1,5 +1,6 @@
-"""hftk's import graph, read statically (every ``import`` in a module, function-level ones
-included): no cycles, and no strategy reaches into an engine (the engines load strategies)."""
+"""hftk's import graph, read statically (every ``import`` in a module, function-level ones included): no
+cycles, and each package imports only the packages below it in :data:`LAYERS` (the order docs/ARCHITECTURE.md
+states), so no strategy reaches into an engine and no leaf into what uses it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "hftk"
+
+# hftk's packages, bottom first: each may import its own modules and those of the packages before it. The
+# package root (``hftk``: the version) is below them all; ``hftk.cli`` (the command, which dispatches by name)
+# above them all.
+LAYERS = ("core", "config", "comm", "telemetry", "data", "checkpoint", "models", "plan", "strategies", "launch",
+          "publish", "engine", "run", "bench")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -81,11 +88,24 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def layer(module: str) -> int:
+    """Where ``module`` sits in :data:`LAYERS` (the root below all, ``hftk.cli`` above all)."""
+    if module == "hftk":
+        return -1
+    if module == "hftk.cli":
+        return len(LAYERS)
+    return LAYERS.index(module.split(".")[1])
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{name} -> {target}" for name, targets in graph.items() for target in targets
+                  if layer(target) > layer(name))
+
+
 def test_the_walker_sees_function_level_and_relative_imports():
     graph = import_graph()
-    assert "hftk.errors" in graph["hftk.strategies"]  # a module-level import
-    assert "hftk.strategies" in graph["hftk.run"] or any(
-        t.startswith("hftk.strategies") for t in graph["hftk.run"])
+    assert "hftk.core.errors" in graph["hftk.config.strategy_table"]  # a module-level import
+    assert "hftk.run.preprocess" in graph["hftk.run.prepare"]  # a function-level one
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
 
@@ -95,17 +115,32 @@ def test_hftk_has_no_import_cycle():
     assert not found, "import cycles in hftk/: " + "; ".join(" <-> ".join(c) for c in found)
 
 
-def test_strategies_never_import_the_engine():
-    upward = sorted(f"{name} -> {target}" for name, targets in import_graph().items()
-                    if name.startswith("hftk.strategies")
-                    for target in targets if target == "hftk.engine" or target.startswith("hftk.engine."))
-    assert not upward, "strategies import the engine: " + ", ".join(upward)
+def test_every_package_is_a_layer_and_hftk_has_no_loose_module():
+    packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    loose = {path.stem for path in ROOT.glob("*.py")} - {"__init__", "cli"}
+    assert packages == set(LAYERS) and not loose, (packages ^ set(LAYERS), loose)
+
+
+def test_each_package_imports_only_the_packages_below_it():
+    found = upward_imports(import_graph())
+    assert not found, "upward imports (order: " + " < ".join(LAYERS) + "): " + ", ".join(found)
+
+
+def test_an_upward_import_is_caught(tmp_path):
+    """The check above can fail: a strategy that imports the engine, a leaf that imports a strategy."""
+    graph = import_graph()
+    graph["hftk.strategies.ddp"] = graph["hftk.strategies.ddp"] | {"hftk.engine.trainer"}
+    graph["hftk.core.errors"] = graph["hftk.core.errors"] | {"hftk.strategies.fsdp"}
+    assert upward_imports(graph) == ["hftk.core.errors -> hftk.strategies.fsdp",
+                                     "hftk.strategies.ddp -> hftk.engine.trainer"]
 
 
 def test_the_tables_everything_reads_are_leaves():
     """The model-family and strategy tables, the parallel dimensions, the plan types, the agent store and the
-    error type import nothing above them."""
+    error type import nothing beside the error type."""
     graph = import_graph()
-    assert graph["hftk.families"] == graph["hftk.agent_store"] == graph["hftk.activations"] == set()
-    assert graph["hftk.errors"] == {"hftk.agent_store"} and graph["hftk.plan_types"] == {"hftk.activations"}
-    assert graph["hftk.parallel_dims"] == {"hftk.errors"} and graph["hftk.strategies"] == {"hftk.errors"}
+    assert graph["hftk.config.family_table"] == graph["hftk.core.agent_store"] == set()
+    assert graph["hftk.models.activations"] == set()
+    assert graph["hftk.core.errors"] == {"hftk.core.agent_store"}
+    assert graph["hftk.plan.types"] == {"hftk.models.activations"}
+    assert graph["hftk.strategies.parallel_dims"] == graph["hftk.config.strategy_table"] == {"hftk.core.errors"}

@@ -34,10 +34,10 @@ def test_the_plain_reference_imports_nothing_from_hftk():
 
 @pytest.mark.parametrize("model", ["builtin:gpt2-tiny", "builtin:llama-tiny"])  # llama's tokenizer adds a BOS
 def test_the_plain_reference_cuts_the_blocks_hftk_trains_on(model, tmp_path):
-    from hftk.builtin import CORPUS, materialize_model
-    from hftk.data import tokenize_and_pack
-    from hftk.modeling import load_tokenizer
-    from hftk.run import prepare
+    from hftk.data.builtin import CORPUS, materialize_model
+    from hftk.data.dataset import tokenize_and_pack
+    from hftk.models.loading import load_tokenizer
+    from hftk.run.prepare import prepare
 
     spec = importlib.util.spec_from_file_location("plain_reference", PLAIN)
     plain = importlib.util.module_from_spec(spec)

@@ -13,12 +13,12 @@ import json
 import sys
 
 import torch
+from tests.unit.models.test_activations import BATCH, CONFIGS, SEQ
 from transformers import AutoModelForCausalLM
 
-from hftk import allocator
-from hftk.plan import GIB, PlanInputs, activation_bytes, model_shape
-from hftk.telemetry import peak_memory_bytes, reset_peak_memory
-from tests.unit.test_activations import BATCH, CONFIGS, SEQ
+from hftk.core import allocator
+from hftk.plan.estimate import GIB, PlanInputs, activation_bytes, model_shape
+from hftk.telemetry.rank_monitor import peak_memory_bytes, reset_peak_memory
 
 CPU = torch.device("cpu")
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from hftk.bench.comm_worker import JOB_DEFAULTS, batch_for, corpus_blocks, make_replica
 from hftk.comm.accounting import log_fields
 from hftk.comm.hierarchical import discover_topology
-from hftk.config import ModelConfig
-from hftk.modeling import load_model, load_tokenizer
+from hftk.config.options import ModelConfig
+from hftk.models.loading import load_model, load_tokenizer
 
 STEPS = 2
 VARIANTS = [("none", False), ("none", True), ("fp16", False), ("fp16", True), ("topk", False), ("topk", True),
@@ -89,7 +89,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from hftk.run import exit_without_teardown
+    from hftk.run.prepare import exit_without_teardown
 
     main()
     exit_without_teardown(0)  # skips gloo's teardown abort

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import Trainer
 
-from hftk.run import main
+from hftk.run.prepare import main
 
 DIE_AT = int(os.environ["HFTK_DIE_AT_STEP"])
 save_optimizer_and_scheduler = Trainer._save_optimizer_and_scheduler

@@ -1,4 +1,4 @@
-"""``scripts/finetune.py`` whose rank 0 runs out of room after its first checkpoint.
+"""``scripts/finetune.py`` whose rank 0 runs out of room after its first atomic.
 
 Once rank 0 has published ``checkpoint-<HFTK_FULL_AFTER_STEP>``, it lowers its file size limit
 (``RLIMIT_FSIZE``) to ``HFTK_FULL_BYTES``: every later write past that size fails with EFBIG, as on a
@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hftk import checkpoint
-from hftk.run import main
+from hftk.checkpoint import atomic
+from hftk.run.prepare import main
 
 AFTER = f"checkpoint-{os.environ['HFTK_FULL_AFTER_STEP']}"
 LIMIT = int(os.environ["HFTK_FULL_BYTES"])
-publish = checkpoint.publish
+publish = atomic.publish
 
 
 def publish_then_fill(staged: Path, final: Path, *args: Any, **kwargs: Any) -> None:
@@ -30,7 +30,7 @@ def publish_then_fill(staged: Path, final: Path, *args: Any, **kwargs: Any) -> N
         resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
-checkpoint.publish = publish_then_fill
+atomic.publish = publish_then_fill
 
 if __name__ == "__main__":
     sys.exit(main())

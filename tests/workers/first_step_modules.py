@@ -7,7 +7,7 @@ import os
 import sys
 
 from hftk.engine import trainer as engine
-from hftk.run import main
+from hftk.run.prepare import main
 
 callbacks = engine.run_callbacks
 

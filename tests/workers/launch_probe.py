@@ -10,8 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hftk.launch import launcher_strategy
-from hftk.run import exit_without_teardown
+from hftk.launch.configs import launcher_strategy
+from hftk.run.prepare import exit_without_teardown
 
 if torch.cuda.is_available():  # NCCL reduces device tensors only: each rank on its own GPU
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

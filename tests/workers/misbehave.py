@@ -22,7 +22,7 @@ def pollute(argv: list[str]) -> int:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from hftk.run import main
+    from hftk.run.prepare import main
 
     dist.init_process_group("gloo")  # never destroyed
     layer_norm = F.layer_norm

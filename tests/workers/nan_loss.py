@@ -11,7 +11,7 @@ import sys
 
 from transformers import Trainer
 
-from hftk.run import main
+from hftk.run.prepare import main
 
 NAN_AT = int(os.environ["HFTK_NAN_AT_STEP"])  # 1-based optimizer step
 compute_loss = Trainer.compute_loss

@@ -17,13 +17,13 @@ from pathlib import Path
 
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-import hftk.run
+import hftk.run.prepare
 
 EVAL_MARKER = "hftk-test: evaluation running"
 EVAL_SLEEP = float(os.environ.get("HFTK_EVAL_SLEEP_S", "0"))
 TRAIN_SLEEP = float(os.environ.get("HFTK_TRAIN_SLEEP_S", "0"))
 forward = GPT2Block.forward
-exit_without_teardown = hftk.run.exit_without_teardown
+exit_without_teardown = hftk.run.prepare.exit_without_teardown
 announced = False
 
 
@@ -44,7 +44,7 @@ def record_exit(code: int) -> None:
 
 
 GPT2Block.forward = slow_forward
-hftk.run.exit_without_teardown = record_exit
+hftk.run.prepare.exit_without_teardown = record_exit
 
 if __name__ == "__main__":
-    sys.exit(hftk.run.main())
+    sys.exit(hftk.run.prepare.main())

@@ -13,7 +13,7 @@ import time
 from transformers import TrainerCallback
 
 from hftk.engine.trainer import build_trainer
-from hftk.run import prepare
+from hftk.run.prepare import prepare
 
 
 class SlowRankOne(TrainerCallback):
@@ -42,6 +42,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from hftk.run import exit_without_teardown
+    from hftk.run.prepare import exit_without_teardown
 
     exit_without_teardown(main())  # skips gloo's teardown abort

@@ -35,7 +35,7 @@ def tiny_from_config(kind: str):
 def load(name: str):
     from transformers import AutoModelForCausalLM
 
-    from hftk.builtin import materialize_model
+    from hftk.data.builtin import materialize_model
 
     if name in ("mistral", "qwen2"):
         return tiny_from_config(name)
@@ -77,7 +77,7 @@ def probe_sp() -> dict:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from hftk.config import load_config
+    from hftk.config.options import load_config
     from hftk.strategies import sequence
     from hftk.strategies.mesh import MeshStep, all_reduce_sum, loss_sum, token_count
 
@@ -149,7 +149,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from hftk.run import exit_without_teardown
+    from hftk.run.prepare import exit_without_teardown
 
     main()
     exit_without_teardown(0)  # skips gloo's teardown abort

@@ -11,10 +11,10 @@ dist.init_process_group("gloo")
 
 import deepspeed  # noqa: E402  (after the group: zero.Init partitions over it)
 
-from hftk.config import ModelConfig  # noqa: E402
-from hftk.modeling import load_model  # noqa: E402
-from hftk.run import exit_without_teardown  # noqa: E402
-from hftk.telemetry import flops_per_token  # noqa: E402
+from hftk.config.options import ModelConfig  # noqa: E402
+from hftk.models.loading import load_model  # noqa: E402
+from hftk.run.prepare import exit_without_teardown  # noqa: E402
+from hftk.telemetry.rank_monitor import flops_per_token  # noqa: E402
 
 whole = load_model(ModelConfig(model_name_or_path="builtin:gpt2-tiny", model_dropout=0.0))
 with deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}):

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hftk.comm.register import load_state
-from hftk.config import load_config
-from hftk.errors import HftkError
-from hftk.validate import check_config
+from hftk.config.options import load_config
+from hftk.core.errors import HftkError
+from hftk.run.validate import check_config
 
 
 def test_missing_state_on_resume_is_a_clear_error(tmp_path):

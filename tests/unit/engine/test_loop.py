@@ -55,10 +55,10 @@ def test_a_nonfinite_gradient_drops_the_update_and_a_signal_is_agreed(one_rank_g
 
     from transformers import AutoModelForCausalLM
 
-    from hftk.builtin import materialize_model
-    from hftk.config import load_config
+    from hftk.config.options import load_config
+    from hftk.data.builtin import materialize_model
     from hftk.engine.loop import _guard
-    from hftk.resilience import EXIT_PREEMPTED, PreemptionSignal
+    from hftk.engine.resilience import EXIT_PREEMPTED, PreemptionSignal
     from hftk.strategies import tensor
 
     cfg = load_config([*LLAMA, "--strategy", "tp", "--nan_policy", "skip"])

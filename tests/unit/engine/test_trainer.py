@@ -10,7 +10,7 @@ def test_the_flop_count_taken_once_equals_the_trainers_own(tmp_path):
     number as ``Trainer.floating_point_ops`` for any batch, and 0 without the model's main input."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from hftk.builtin import materialize_model
+    from hftk.data.builtin import materialize_model
     from hftk.engine.trainer import count_flops_once
 
     model = AutoModelForCausalLM.from_pretrained(materialize_model("builtin:gpt2-tiny"))

@@ -31,9 +31,9 @@ def test_cp_shards_cover_each_sequence_once_in_the_layout_torch_ring_attention_a
 
 
 def test_cp_on_a_torch_without_the_ring_internals_fails_by_name(monkeypatch, tmp_path):
-    from hftk.builtin import builtin_model_config
-    from hftk.config import load_config
-    from hftk.errors import HftkError
+    from hftk.config.options import load_config
+    from hftk.core.errors import HftkError
+    from hftk.data.builtin import builtin_model_config
     from hftk.strategies import context
 
     cfg = load_config([*LLAMA, "--strategy", "cp", "--cp_size", "2", "--output_dir", str(tmp_path / "x")])

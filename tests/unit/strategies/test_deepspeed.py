@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hftk.errors import HftkError
+from hftk.core.errors import HftkError
 from tests.helpers import TINY_ARGS, cpu_only_cases
-from tests.unit.test_validate import sealed_by
+from tests.unit.run.test_validate import sealed_by
 
 
 def test_deepspeed_config_follows_the_typed_config():
-    from hftk.config import load_config
+    from hftk.config.options import load_config
     from hftk.strategies.deepspeed import deepspeed_config
 
     for strategy, stage in (("zero1", 1), ("zero2", 2), ("zero3", 3), ("zero3_offload", 3)):
@@ -37,7 +37,7 @@ def test_deepspeed_config_follows_the_typed_config():
 
 
 def test_verify_refuses_a_model_that_is_not_a_deepspeed_engine():
-    from hftk.config import load_config
+    from hftk.config.options import load_config
     from hftk.strategies.deepspeed import deepspeed_config, verify
 
     trainer = SimpleNamespace(args=SimpleNamespace(deepspeed=deepspeed_config(load_config(["--strategy", "zero3"]))),
@@ -47,7 +47,7 @@ def test_verify_refuses_a_model_that_is_not_a_deepspeed_engine():
 
 
 def test_use_cpu_is_refused_only_where_it_would_drop_deepspeed(monkeypatch):
-    from hftk.config import load_config
+    from hftk.config.options import load_config
     from hftk.strategies import deepspeed
 
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -74,7 +74,7 @@ BAD = [
 
 @pytest.mark.parametrize("case_id,args,field", BAD, ids=[c[0] for c in BAD])
 def test_bad_combinations_are_one_line_errors(case_id, args, field, tmp_path, capsys, monkeypatch):
-    from hftk.run import main
+    from hftk.run.prepare import main
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     (tmp_path / "zero9.yaml").write_text("strategy:\n  strategy: zero9\n")
@@ -89,7 +89,7 @@ def test_bad_combinations_are_one_line_errors(case_id, args, field, tmp_path, ca
 def test_offload_without_a_toolchain_is_one_line_before_launch(tmp_path, monkeypatch):
     """DeepSpeed JIT-builds CPU Adam at the first step of zero3_offload: a machine without the
     tools hears what to install before any rank starts, not minutes later in a compiler log."""
-    from hftk.config import load_config
+    from hftk.config.options import load_config
     from hftk.strategies import deepspeed as ds
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built yet

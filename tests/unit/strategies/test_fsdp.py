@@ -9,7 +9,7 @@ import torch
 
 
 def test_verify_refuses_a_model_that_is_not_sharded():
-    from hftk.errors import HftkError
+    from hftk.core.errors import HftkError
     from hftk.strategies import fsdp
 
     plain = torch.nn.Linear(2, 2)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hftk.chat import IGNORE_INDEX
-from hftk.config import DataConfig
-from hftk.data import collator, rows
+from hftk.config.options import DataConfig
+from hftk.data.chat import IGNORE_INDEX
+from hftk.data.dataset import collator, rows
 from tests.helpers import cpu_only_cases
-from tests.unit.test_data import FAMILIES, assert_examples_apart, dataset, examples
+from tests.unit.data.test_dataset import FAMILIES, assert_examples_apart, dataset, examples
 
 LLAMA = ["--model_name_or_path", "builtin:llama-tiny"]
 GPT2 = ["--model_name_or_path", "builtin:gpt2-tiny"]
@@ -72,7 +72,7 @@ def test_bad_layouts_fail_in_one_line_before_any_process_group(case_id, world, a
                                                               tmp_path, monkeypatch, capsys):
     import torch.distributed as dist
 
-    from hftk.run import main
+    from hftk.run.prepare import main
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     out = tmp_path / "out"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY_ARGS
-from tests.unit.test_data import FAMILIES, assert_examples_apart, packed
+from tests.unit.data.test_dataset import FAMILIES, assert_examples_apart, packed
 
 MODELS = {"gpt2": "builtin:gpt2-tiny4", "llama": "builtin:llama-tiny"}
 PIPE = ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "4"]
@@ -77,7 +77,7 @@ def _opt_folder(tmp: Path) -> Path:
 
 
 def _resume_folder(tmp: Path) -> Path:
-    from hftk.checkpoint import seal
+    from hftk.checkpoint.atomic import seal
 
     ckpt = tmp / "out-resume" / "checkpoint-3"
     ckpt.mkdir(parents=True)
@@ -115,8 +115,8 @@ ERRORS = [
 def test_bad_pipeline_config_is_named_before_any_process_group(case_id, world, args, needle, tmp_path, monkeypatch):
     import torch.distributed as dist
 
-    from hftk.errors import HftkError
-    from hftk.run import prepare
+    from hftk.core.errors import HftkError
+    from hftk.run.prepare import prepare
 
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     subs = {"{tmp}": str(tmp_path), "{opt}": str(_opt_folder(tmp_path)) if case_id == "unsupported_architecture" else "",

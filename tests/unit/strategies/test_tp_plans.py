@@ -12,7 +12,7 @@ def test_gpt2_linear_conversion_keeps_outputs_and_maps_back_exactly():
 
     from transformers import AutoModelForCausalLM
 
-    from hftk.builtin import materialize_model
+    from hftk.data.builtin import materialize_model
     from hftk.strategies.tp_plans import FusedQKV, gpt2_to_linear, to_hf_state_dict
 
     model = AutoModelForCausalLM.from_pretrained(materialize_model("builtin:gpt2-tiny")).eval()
@@ -28,7 +28,7 @@ def test_gpt2_linear_conversion_keeps_outputs_and_maps_back_exactly():
 
 
 def test_replicated_parameters_are_the_ones_no_plan_splits():
-    from hftk.builtin import builtin_model_config
+    from hftk.data.builtin import builtin_model_config
     from hftk.strategies.tp_plans import replicated_params
 
     # GPT-2 tiny (2 blocks, width 64, 256 positions): position table, 5 LayerNorms, 4 row-parallel biases

@@ -1,0 +1,398 @@
+"""The typed run configuration: the single source of truth for every hftk option.
+
+Sections (YAML top-level keys): ``model``, ``data``, ``training``, ``strategy``,
+``tracking``, ``hub``, ``resilience``. Every option has help text (``hftk train --help``).
+``training`` is the HF ``TrainingArguments``: every one of its fields passes through.
+
+``TrainingArguments.__post_init__`` starts the process group (it resolves the device), so
+``RunConfig.training`` keeps its keyword arguments as a plain dict until validation has
+passed; :func:`hftk.engine.trainer.build_training_arguments` constructs it later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import yaml
+
+from hftk.config.strategy_table import STRATEGIES as STRATEGY_TABLE
+from hftk.core.errors import HftkError
+
+STRATEGIES = (*STRATEGY_TABLE, "auto")
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PACKINGS = ("auto", "concat", "bfd", "none")
+DATA_FORMATS = ("auto", "text", "prompt_completion", "messages", "alpaca", "sharegpt")
+DEFAULT_MODEL = "builtin:gpt2-small"
+DEFAULT_DATASET = "builtin:kjv"
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with help text (HfArgumentParser reads ``metadata['help']``)."""
+    meta = {"help": help}
+    if "choices" in kw:
+        meta["choices"] = kw.pop("choices")
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass
+class ModelConfig:
+    """Which model to fine-tune and how to load it."""
+
+    model_name_or_path: str = _opt(
+        DEFAULT_MODEL, "Hub id, local folder, or 'builtin:NAME' (gpt2-tiny, gpt2-tiny4, gpt2-small, gpt2-90m, "
+        "llama-tiny, neox-tiny), a small model created locally and loaded through from_pretrained.")
+    model_revision: str = _opt("main", "Hub revision (branch, tag or commit) of the model.")
+    tokenizer_name_or_path: str | None = _opt(None, "Tokenizer source when it differs from the model.")
+    trust_remote_code: bool = _opt(False, "Run code shipped with a Hub model. Off unless you trust the repository.")
+    model_dtype: str = _opt("float32", "dtype the weights are loaded in; mixed precision is training.bf16 / "
+                            "training.fp16.", choices=["float32", "bfloat16", "float16"])
+    attn_implementation: str | None = _opt(None, "Attention kernel: eager, sdpa, flash_attention_2 (None: transformers' choice).")
+    model_dropout: float | None = _opt(
+        None, "Override every dropout probability of the model config (0 for exact parity tests).")
+    lora_r: int = _opt(0, "LoRA rank; 0 trains the full model.")
+    lora_alpha: int = _opt(16, "LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = _opt(0.0, "Dropout on the LoRA branch.")
+    lora_target_modules: str | None = _opt(
+        None, "Comma-separated module names to adapt; default chosen per architecture.")
+    use_dora: bool = _opt(False, "DoRA (PEFT use_dora): LoRA plus a trained magnitude per output channel; needs lora_r.")
+    use_rslora: bool = _opt(False, "rsLoRA (PEFT use_rslora): scale adapters by alpha / sqrt(r) instead of alpha / r; "
+                            "needs lora_r.")
+    # QLoRA: the frozen base quantized at load by bitsandbytes (transformers' BitsAndBytesConfig).
+    load_in_4bit: bool = _opt(False, "Load the base weights in 4 bits through bitsandbytes (QLoRA); needs lora_r.")
+    load_in_8bit: bool = _opt(False, "Load the base weights in 8 bits through bitsandbytes (LLM.int8); needs lora_r.")
+    bnb_4bit_quant_type: str = _opt("nf4", "4-bit data type: nf4 (NormalFloat, QLoRA's) or fp4.", choices=["nf4", "fp4"])
+    bnb_4bit_use_double_quant: bool = _opt(
+        True, "Quantize the 4-bit blocks' fp32 scales again (8-bit, blocks of 256): ~0.37 bit/param saved.")
+    bnb_4bit_compute_dtype: str | None = _opt(None, "dtype 4-bit layers dequantize to for their matmul (None: "
+                                              "model_dtype).", choices=["float32", "bfloat16", "float16"])
+
+
+@dataclass
+class DataConfig:
+    """Where the training text comes from and how it becomes fixed-size blocks."""
+
+    dataset: str = _opt(DEFAULT_DATASET, "Hub dataset name, a local file (.txt .jsonl .json .csv .parquet) or folder, "
+                        "or 'builtin:kjv' (the shipped public-domain corpus).")
+    dataset_config_name: str | None = _opt(None, "Hub dataset configuration name.")
+    dataset_revision: str | None = _opt(None, "Hub revision of the dataset.")
+    train_split: str = _opt("train", "Split to train on.")
+    eval_split: str | None = _opt(None, "Split to evaluate on; when unset, eval_fraction of the train split is held out.")
+    eval_fraction: float = _opt(0.05, "Fraction of training rows held out for evaluation when eval_split is unset (0 disables).")
+    data_format: str = _opt(
+        "auto", "'text' (loss on every token), 'prompt_completion' (loss on the completion only), 'messages' (chat "
+        "conversations, loss on the assistant turns), 'alpaca' (instruction / input / output), 'sharegpt' "
+        "(conversations of from / value), or 'auto' (detected from the columns, in that order: messages, sharegpt, "
+        "alpaca, prompt_completion, text).", choices=list(DATA_FORMATS))
+    text_field: str = _opt("text", "Column holding the text for data_format=text.")
+    prompt_field: str = _opt("prompt", "Column holding the prompt for data_format=prompt_completion.")
+    completion_field: str = _opt("completion", "Column holding the completion for data_format=prompt_completion.")
+    block_size: int = _opt(128, "Tokens per training sequence; must not exceed the model's context length.")
+    packing: str = _opt(
+        "auto", "How examples become training rows. 'concat': concatenated and cut into full blocks (an example "
+        "attends to the one before it: continued pre-training of plain text). 'bfd': whole examples placed into blocks "
+        "of block_size by best-fit decreasing (TRL's pack_dataset), position ids restarting at 0 per example and no "
+        "attention mask, so no example attends to another (rows padded to the batch's longest; one padding-free row "
+        "under flash attention) (Trainer strategies; sdpa / eager / flash attention; pipeline and tp: rows of "
+        "block_size, sdpa / eager). 'none': one example per row, each batch padded to its longest example (rounded up "
+        "to pad_to_multiple_of; pipeline, tp and sp pad to block_size). 'auto': concat for plain text, else bfd where "
+        "the strategy keeps packed examples apart, else none.", choices=list(PACKINGS))
+    pad_to_multiple_of: int | None = _opt(None, "packing none: pad each batch to a multiple of this many tokens (e.g. "
+                                          "8 or 64 for GPU kernels; block_size pads every batch to block_size).")
+    max_train_samples: int | None = _opt(None, "Keep only this many raw training rows (quick runs).")
+    max_eval_samples: int | None = _opt(
+        None, "Keep only the first this many evaluation blocks (after the split and packing, as run_clm's "
+        "max_eval_samples), bounding what every evaluation costs; the count is printed at start.")
+    preprocessing_num_workers: int | None = _opt(None, "Processes for tokenisation (datasets.map num_proc).")
+    # Conversations, instruction formats and several datasets.
+    datasets: list[str] | None = _opt(
+        None, "Several datasets (instead of data.dataset). In YAML a list of paths / Hub names or of mappings with "
+        "path, and optionally split, eval_split, format, config_name, revision, weight and any *_field option; with "
+        "weights they are mixed by datasets.interleave_datasets (seeded, probabilities from the weights), without them "
+        "concatenated. `--dataset a.jsonl,b.jsonl` is the command-line short form.")
+    messages_field: str = _opt("messages", "Column of [{role, content}, ...] lists for data_format=messages.")
+    conversations_field: str = _opt("conversations", "Column of [{from, value}, ...] lists for data_format=sharegpt.")
+    instruction_field: str = _opt("instruction", "Column of the instruction for data_format=alpaca.")
+    input_field: str = _opt("input", "Optional column of the instruction's input for data_format=alpaca.")
+    output_field: str = _opt("output", "Column of the answer for data_format=alpaca.")
+    chat_template: str | None = _opt(
+        None, "Chat template for conversations: a shipped name (chatml) or a Jinja file; overrides the tokenizer's "
+        "own. Needed when the tokenizer has none. It is saved with the tokenizer in every checkpoint and in final/.")
+    train_on_prompt: bool = _opt(
+        False, "Conversations: put the loss on system / user turns too, not only on the assistant turns.")
+    on_bad_row: str = _opt("error", "A row that does not fit its format (unknown role, empty assistant turn, no final "
+                           "assistant turn, tool turns the template cannot render): 'error' names the first one and "
+                           "stops, 'drop' skips them and prints how many.", choices=["error", "drop"])
+    truncation: str = _opt(
+        "drop", "Conversations longer than block_size: 'drop' them (counted in a summary line) or 'truncate' them "
+        "(only the assistant turns that end inside the block keep their labels).", choices=["drop", "truncate"])
+    tokenized_path: str | None = _opt(
+        None, "Folder of blocks written by `hftk preprocess` (tokenised, templated, masked, packed once): training "
+        "reads it on every rank with no tokenisation; one made with another tokenizer, template, block size, format or "
+        "datasets is refused. For `hftk preprocess` the folder to write.")
+
+
+@dataclass
+class StrategyConfig:
+    """How the work is spread over processes; applied from outside the model code."""
+
+    strategy: str = _opt(
+        "ddp", "Parallelism: ddp, fsdp (FSDP2), zero1, zero2, zero3, zero3_offload (DeepSpeed), pipeline, tp (tensor "
+        "parallel x FSDP2 on one mesh), cp (ring-attention context parallel on that mesh), sp (DeepSpeed Ulysses "
+        "sequence parallel), or auto (pick from the per-rank memory plan).", choices=list(STRATEGIES))
+    device_memory_gb: float | None = _opt(
+        None, "Memory per rank the auto strategy and the plan may use (default: the device's, or RAM / ranks on CPU).")
+    fsdp_cpu_offload: bool = _opt(False, "FSDP2: keep sharded parameters and optimizer state in CPU memory.")
+    fsdp_reshard_after_forward: bool = _opt(True, "FSDP2: free gathered parameters after forward (ZeRO-3 style).")
+    fsdp_state_dict: str = _opt("sharded", "FSDP2 checkpoint format: sharded (torch.distributed.checkpoint) or full.",
+                                choices=["sharded", "full"])
+    fsdp_hybrid: bool = _opt(False, "FSDP2: shard inside a node, replicate across nodes (HSDP).")
+    pp_size: int = _opt(1, "Pipeline stages (strategy=pipeline).")
+    pp_microbatches: int = _opt(4, "Micro-batches each pipeline step splits a batch into.")
+    pp_schedule: str = _opt("1f1b", "Pipeline schedule.", choices=list(PP_SCHEDULES))
+    pp_virtual_stages: int = _opt(2, "Stages per rank for interleaved_1f1b.")
+    tp_size: int = _opt(1, "Tensor-parallel degree (strategy tp or cp).")
+    dp_shard_size: int = _opt(1, "FSDP2 sharding degree composed with tensor / context parallel (-1: the rest of the world).")
+    dp_replicate_size: int = _opt(1, "Strategy tp / cp: data-parallel replicas (HSDP across them); dp_replicate x "
+                                  "dp_shard x cp x tp = world size.")
+    sp_size: int = _opt(1, "Sequence-parallel degree (strategy sp, DeepSpeed Ulysses); the rest of the world is data parallel.")
+    cp_size: int = _opt(1, "Context-parallel degree (strategy cp): every sequence split over cp ranks, torch ring attention.")
+    grad_compression: str = _opt("none", "Gradient compression hook for DDP.", choices=list(COMPRESSIONS))
+    powersgd_rank: int = _opt(4, "PowerSGD: rank of the low-rank approximation.")
+    powersgd_warmup_steps: int = _opt(10, "PowerSGD: uncompressed steps before compression starts.")
+    topk_ratio: float = _opt(0.01, "Top-k: fraction of gradient entries sent each step.")
+    topk_warmup_steps: int = _opt(
+        10, "Top-k: uncompressed steps before sparsification starts (the early, large gradient changes are "
+        "otherwise delayed by error feedback and training falls behind).")
+    hierarchical_allreduce: bool = _opt(False, "Reduce inside a node, all-reduce among node leaders, broadcast back.")
+
+
+@dataclass
+class TrackingConfig:
+    """Where metrics go besides the Trainer's report_to integrations."""
+
+    metrics_file: str = _opt("metrics.jsonl", "JSON-lines metrics file, relative to training.output_dir.")
+    wandb_project: str = _opt("hftk", "wandb project (wandb runs offline when no API key is configured).")
+    imbalance_warn_threshold: float = _opt(
+        0.2, "Warn when the fastest rank idles, waiting for the slowest, for more than this fraction of each step "
+        "(slowest minus fastest compute time, forward start to last gradient, over the wall step time).")
+    check_sync_steps: int = _opt(
+        0, "Every N optimizer steps, hash each rank's replicated parameters and log whether all replicas agree (ddp, "
+        "ZeRO, each pipeline stage's replicas; refused under tp / cp / sp, whose shards have no replicas; 0: off).")
+    comm_profile_steps: int = _opt(50, "Profile step 3 and then every N-th optimizer step with torch.profiler to log "
+                                   "the communication share of the step (0: off).")
+
+
+@dataclass
+class HubConfig:
+    """Pushing the result to the Hugging Face Hub (push_to_hub / hub_model_id / hub_strategy live in training)."""
+
+    hub_upload_retries: int = _opt(5, "Attempts per upload before it is reported as failed (training goes on).")
+    hub_retry_backoff_s: float = _opt(2.0, "Wait before the second upload attempt; it doubles for each further attempt.")
+    hub_push_merged: bool = _opt(False, "With LoRA: push the merged full model instead of the adapter.")
+
+
+@dataclass
+class ResilienceConfig:
+    """What happens when things go wrong mid-run."""
+
+    nan_policy: str = _opt(
+        "stop", "On a NaN/Inf loss: 'skip' the step, or 'stop' with a checkpoint.", choices=["skip", "stop"])
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "strategy": StrategyConfig,
+                             "tracking": TrackingConfig, "hub": HubConfig, "resilience": ResilienceConfig}
+
+# hftk's defaults for TrainingArguments fields, where the HF default does not suit fine-tuning here.
+TRAINING_DEFAULTS: dict[str, Any] = dict(
+    output_dir="outputs/run", per_device_train_batch_size=8, per_device_eval_batch_size=8,
+    learning_rate=5e-4, warmup_steps=10, lr_scheduler_type="cosine", num_train_epochs=2.0,
+    logging_steps=5, eval_strategy="steps", eval_steps=50, save_strategy="steps", save_steps=50, save_total_limit=3,
+    report_to=["tensorboard"], ddp_find_unused_parameters=False, ddp_timeout=600, dataloader_num_workers=0,
+    max_grad_norm=1.0, seed=42,
+)
+
+
+@dataclass
+class RunConfig:
+    """Everything one run needs, validated before any process group exists."""
+
+    model: ModelConfig
+    data: DataConfig
+    strategy: StrategyConfig
+    tracking: TrackingConfig
+    hub: HubConfig
+    resilience: ResilienceConfig
+    training: dict[str, Any]
+    # Training options the user set (command line or YAML), even to TrainingArguments' own default,
+    # which ``training`` leaves out: an engine whose choice differs from that default reads it here.
+    given: frozenset[str] = frozenset()
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.training["output_dir"])
+
+    @functools.cached_property
+    def args(self) -> SimpleNamespace:
+        """The training options resolved once, as attributes named like ``TrainingArguments``'
+        (``cfg.args.logging_steps``): what the run set, else hftk's ``TRAINING_DEFAULTS``, else
+        TrainingArguments' own default. Read options here rather than ``cfg.training.get(key, default)``:
+        a call-site default can only disagree with these."""
+        return SimpleNamespace(**{**training_defaults(), **self.training})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML form of this config (what ``--config`` accepts)."""
+        sections = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        return {**sections, "training": dict(self.training)}
+
+
+def _training_fields() -> dict[str, dataclasses.Field]:
+    from transformers import TrainingArguments
+
+    return {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One parser over every section; help text comes from the dataclass metadata."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    parser = HfArgumentParser([*SECTIONS.values(), TrainingArguments], prog="hftk train", exit_on_error=False,
+                              description="Fine-tune a causal LM. Options may also come from --config run.yaml "
+                              f"(sections: {', '.join([*SECTIONS, 'training'])}); command-line options override "
+                              "the file.")
+    parser.add_argument("--config", default=None, help="YAML file with the run configuration.")
+    parser.set_defaults(**TRAINING_DEFAULTS)
+    return parser
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise HftkError("--config", f"cannot read {path}: {exc.strerror}.", "pass an existing YAML file.") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where else ""
+        raise HftkError("--config", f"{path} is not valid YAML{at}.", "fix the YAML syntax.") from None
+    if not isinstance(data, dict):
+        raise HftkError("--config", f"{path} must be a mapping of sections.", "use sections like 'model:', 'training:'.")
+    return data
+
+
+def _flatten_yaml(data: dict[str, Any]) -> dict[str, Any]:
+    """Check every key belongs to its section and return one flat option dict."""
+    known = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
+    known["training"] = set(_training_fields())
+    flat: dict[str, Any] = {}
+    for section, values in data.items():
+        if section not in known:
+            raise HftkError(f"config.{section}", "is not a section.", f"use one of: {', '.join(sorted(known))}.")
+        if not isinstance(values, dict):
+            raise HftkError(f"config.{section}", "must be a mapping of options.", "indent its options under it.")
+        for key, value in values.items():
+            if key not in known[section]:
+                owner = next((s for s, keys in known.items() if key in keys), None)
+                fix = f"move it under '{owner}:'." if owner else f"see `hftk train --help` for {section} options."
+                raise HftkError(f"{section}.{key}", "is not an option of this section.", fix)
+            flat[key] = value
+    return flat
+
+
+def load_config(argv: list[str] | None = None) -> RunConfig:
+    """Parse ``--config`` YAML plus command-line overrides into a :class:`RunConfig`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    config_path = _config_path(argv)
+    from_yaml = _flatten_yaml(_read_yaml(config_path)) if config_path else {}
+    parser.set_defaults(**from_yaml)
+    try:
+        namespace, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        raise HftkError(exc.argument_name or "option", f"{exc.message}.", "see `hftk train --help`.") from None
+    if unknown:
+        bad = next((u for u in unknown if u.startswith("-")), unknown[0])
+        raise HftkError(bad, "is not a known option.", "see `hftk train --help` for the options.")
+    # argparse fills a namespace attribute with its default only when absent: pre-set to a marker,
+    # the attributes left holding it are the options the command line did not give.
+    unset = object()
+    probe, _ = parser.parse_known_args(argv, namespace=argparse.Namespace(**{k: unset for k in vars(namespace)}))
+    given = {k for k, v in vars(probe).items() if v is not unset} | set(from_yaml)
+    values = vars(namespace)
+    values.pop("config", None)
+    sections = {name: cls(**{f.name: values.pop(f.name) for f in dataclasses.fields(cls)})
+                for name, cls in SECTIONS.items()}
+    training_fields = _training_fields()
+    training = {k: v for k, v in values.items()
+                if k in training_fields and v not in (None, _field_default(training_fields[k]))}
+    for key in TRAINING_DEFAULTS:
+        training[key] = values[key]
+    # The declared annotations: HfArgumentParser narrows the fields' ``type`` in place (``int | None`` -> int).
+    for name, section in sections.items():
+        for f in dataclasses.fields(section):
+            _check_value(f"{name}.{f.name}", getattr(section, f.name), type(section).__annotations__[f.name],
+                         f.metadata.get("choices"))
+    from transformers import TrainingArguments
+
+    declared = {k: v for cls in reversed(TrainingArguments.__mro__) for k, v in getattr(cls, "__annotations__", {}).items()}
+    for key, value in training.items():
+        if declared.get(key) in (int, float, bool):
+            _check_value(f"training.{key}", value, declared[key].__name__, None)
+    return RunConfig(**sections, training=training, given=frozenset(given & set(training_fields)))
+
+
+def training_defaults() -> dict[str, Any]:
+    """Every TrainingArguments option's value in a run that does not set it (None where the field has no default)."""
+    own = {name: _field_default(f) for name, f in _training_fields().items()}
+    return {**{k: None if v is dataclasses.MISSING else v for k, v in own.items()}, **TRAINING_DEFAULTS}
+
+
+SCALARS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def _check_value(name: str, value: Any, annotation: str, choices: list[str] | None) -> None:
+    """Type and choice of one option. argparse checks the command line; a YAML value reaches here
+    unconverted (``block_size: big``, ``strategy: zero9``), so the schema is checked once for both."""
+    kinds = annotation.split(" | ")
+    if value is None and "None" in kinds:
+        return
+    accepted = SCALARS.get(kinds[0])
+    if accepted is None:
+        return  # lists, dicts, unions of other types: their readers check them
+    if isinstance(value, bool) and bool not in accepted or not isinstance(value, accepted):
+        raise HftkError(name, f"must be {'an' if kinds[0] == 'int' else 'a'} {kinds[0]}, got {value!r}.",
+                        f"write a {kinds[0]} value for {name}.")
+    if choices and value not in choices:
+        raise HftkError(name, f"'{value}' is not one of {', '.join(choices)}.", f"use one of: {', '.join(choices)}.")
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    """The field's default (``dataclasses.MISSING`` when it has none)."""
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise HftkError("--config", "needs a file path.", "write --config run.yaml.")
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def is_main_process() -> bool:
+    """Rank 0 according to the launcher's environment (valid before the process group exists)."""
+    return int(os.environ.get("RANK", "0")) == 0

@@ -1,0 +1,216 @@
+"""What hftk supports: every strategy x model family x {full fine-tuning, LoRA}, plus a quantized
+(QLoRA) base per strategy, in one table.
+
+What each strategy allows is a flag in the strategy table (:data:`hftk.config.strategy_table.STRATEGIES`); this
+module says why each refusal is one and raises it. The strategies' validators take their LoRA refusals
+from here (:func:`check_lora`), the packing modes each strategy honours (:func:`check_packing`); the README's
+support table is rendered from it (``python -m hftk.config.support README.md`` rewrites it;
+tests/unit/config/test_support.py keeps the README equal), and tests/integration/test_matrix.py runs every cell on
+2 ranks and asserts each one trains and saves a loadable ``final/`` or is refused before launch exactly as
+:func:`expected` says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hftk.config.family_table import FAMILIES
+from hftk.config.strategy_table import STRATEGIES as TABLE
+from hftk.core.errors import HftkError
+
+STRATEGIES = tuple(TABLE)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A cell hftk refuses before launch: the field its one-line error names, and why."""
+
+    field: str
+    problem: str
+    fix: str = ""
+
+
+# LoRA under layouts that shard the very layers LoRA wraps (DTensor rows / columns, Ulysses heads).
+_NO_LORA = tuple(n for n, spec in TABLE.items() if not spec.lora)
+LORA_REFUSED = {
+    strategy: Refusal("model.lora_r", f"LoRA is not supported with strategy {strategy}: its layout shards the "
+                      "layers LoRA wraps.", f"use one of {', '.join(s for s in STRATEGIES if s not in _NO_LORA)} "
+                      "(or auto) for LoRA, or set lora_r 0 to train the full model.")
+    for strategy in _NO_LORA
+}
+# A bitsandbytes-quantized base (QLoRA: load_in_4bit / load_in_8bit) under the strategies shown to train
+# it with single-process parity (tests/integration/test_qlora.py); the others are refused before launch, naming why.
+QUANT_FIELD = "model.load_in_4bit"
+QUANT_STRATEGIES = tuple(n for n, spec in TABLE.items() if spec.quantized_base)
+_QUANT_FIX = (f"use --strategy {' or '.join(QUANT_STRATEGIES)} with load_in_4bit / load_in_8bit, or train LoRA on an "
+              "unquantized base.")
+
+
+def _quant_refusal(where: str, why: str) -> Refusal:
+    return Refusal(QUANT_FIELD, f"a bitsandbytes-quantized base is not supported under {where}: {why}.", _QUANT_FIX)
+
+
+_ZERO12 = _quant_refusal("DeepSpeed ZeRO-1/2", "its engine with bitsandbytes' packed weights is not verified by "
+                         "hftk's tests")
+_ZERO3 = _quant_refusal("ZeRO-3", "transformers loads a quantized base without ZeRO-3's partitioned init (every "
+                        "rank holds it whole), and hftk's ZeRO-3 path requires the partitioned load")
+QUANT_REFUSED = {
+    "zero1": _ZERO12, "zero2": _ZERO12, "zero3": _ZERO3, "zero3_offload": _ZERO3,
+    "pipeline": _quant_refusal("pipeline", "stages holding bitsandbytes layers are not verified by hftk's tests"),
+    **LORA_REFUSED,  # a quantized base trains adapters only, and LoRA is refused first there
+}
+assert set(QUANT_REFUSED) | set(QUANT_STRATEGIES) == set(STRATEGIES), "every strategy decides on a quantized base"
+
+
+def check_quantized(strategy: str, field: str | None) -> None:
+    """Raise the table's refusal of a quantized base under ``strategy``; ``field`` names the option that
+    quantizes (``model.load_in_4bit`` / ``model.load_in_8bit``), None when the base is not quantized."""
+    if field is not None and (refusal := QUANT_REFUSED.get(strategy)) is not None:
+        raise HftkError(field if refusal.field == QUANT_FIELD else refusal.field, refusal.problem, refusal.fix)
+
+
+# Families a strategy does not drive (its validator refuses them from here): Ulysses needs the
+# attention to take position ids through its kwargs (families.FamilySpec.ulysses).
+STRATEGY_FAMILIES = {"sp": tuple(f for f, spec in FAMILIES.items() if spec.ulysses)}
+# What a model built from the family's default config meets (the validator reads the config itself:
+# a Mistral without a sliding window trains under cp).
+DEFAULT_CONFIG_REFUSED = {
+    ("cp", "mistral"): Refusal("model.model_name_or_path", "Mistral's default sliding-window attention needs a "
+                               "mask stricter than causal, which ring attention cannot apply."),
+}
+
+
+# Packing modes (data.packing) each engine honours. bfd needs position ids that restart per example
+# and no attention mask (transformers then masks across examples): the Trainer strategies pass the
+# batch to the model as it is, the pipeline's stages build each stage's mask from the batch's position
+# ids with transformers' create_causal_mask (as the model's own forward does), and tp hands the batch
+# to the model itself. Under pipeline, tp and sp 'none' pads to block_size (fixed shapes across stages
+# and ranks); cp's ring takes no padding mask.
+PACKING_SUPPORT = {n: spec.packing for n, spec in TABLE.items()}
+# Why a strategy refuses bfd (measured / read in the libraries they run on).
+BFD_REFUSED = {
+    "cp": "ring attention takes no padding mask and does not keep packed examples apart",
+    "sp": "DeepSpeed's Ulysses attention (UlyssesSPAttentionHF) drops the mask transformers builds from the "
+          "position ids and runs sdpa causally over the whole gathered row, so packed examples would attend "
+          "to each other (only its flash-attention path reads packed position ids, and hftk's sp runs sdpa)",
+}
+assert set(BFD_REFUSED) == {s for s, m in PACKING_SUPPORT.items() if "bfd" not in m}, "every bfd refusal says why"
+# Attention implementations that build the packed (block-diagonal) mask from position ids when no
+# attention mask is passed: transformers' sdpa and eager masks (masking_utils.find_packed_sequence_indices,
+# tested on CPU for GPT-2, GPT-NeoX, Llama, Mistral, Qwen2) and the flash kernels' varlen path, which
+# reads packing only from a batch of one row (modeling_flash_attention_utils._is_packed_sequence). The
+# Trainer's collator flattens bfd batches into that one row under flash attention; pipeline stages and
+# tp take fixed (rows x block_size) batches, so they keep bfd to sdpa and eager.
+BFD_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+FIXED_SHAPE_BFD_ATTENTION = {n: ("sdpa", "eager") for n, spec in TABLE.items()
+                             if spec.fixed_shape_batches and "bfd" in spec.packing}
+
+
+def packing_refusal(strategy: str, packing: str, attn_implementation: str | None) -> Refusal | None:
+    """Why ``packing`` cannot run under ``strategy`` (or with that attention), or None."""
+    if packing not in PACKING_SUPPORT[strategy]:
+        return Refusal("data.packing", f"packing {packing} is not supported with strategy {strategy}: "
+                       f"{BFD_REFUSED[strategy]}.", f"use --packing {' or '.join(PACKING_SUPPORT[strategy])}, or a "
+                       f"strategy of {', '.join(s for s, m in PACKING_SUPPORT.items() if packing in m)}.")
+    allowed = FIXED_SHAPE_BFD_ATTENTION.get(strategy, BFD_ATTENTION)
+    if packing == "bfd" and attn_implementation is not None and attn_implementation not in allowed:
+        where = f" with strategy {strategy} (its batches are rows of block_size)" if strategy in \
+            FIXED_SHAPE_BFD_ATTENTION else ""
+        return Refusal("model.attn_implementation", f"'{attn_implementation}' does not keep packed examples "
+                       f"apart (packing bfd){where}.", f"use one of {', '.join(allowed)}, or --packing none.")
+    return None
+
+
+def check_packing(strategy: str, packing: str, attn_implementation: str | None) -> None:
+    """Raise the table's refusal of ``packing`` (called once the datasets' formats resolved it)."""
+    if (refusal := packing_refusal(strategy, packing, attn_implementation)) is not None:
+        raise HftkError(refusal.field, refusal.problem, refusal.fix)
+
+
+def resolve_packing(strategy: str, data_format: str, packing: str, attn_implementation: str | None = None) -> str:
+    """``auto`` -> concat for plain text, else bfd where ``strategy`` (with that attention) keeps packed
+    examples apart, else none."""
+    if packing != "auto":
+        return packing
+    if data_format == "text":
+        return "concat"
+    return "bfd" if packing_refusal(strategy, "bfd", attn_implementation) is None else "none"
+
+
+def family_refusal(strategy: str, family: str) -> Refusal | None:
+    """Why ``strategy`` does not drive ``family`` at all, or None."""
+    allowed = STRATEGY_FAMILIES.get(strategy)
+    if allowed is None or family in allowed:
+        return None
+    return Refusal("model.model_name_or_path", f"architecture '{family}' is not supported by strategy {strategy}.",
+                   f"use a model of a supported family ({', '.join(allowed)}).")
+
+
+def check_family(strategy: str, family: str) -> None:
+    """Raise the table's refusal of ``family`` under ``strategy`` (called by that strategy's ``validate``)."""
+    if (refusal := family_refusal(strategy, family)) is not None:
+        raise HftkError(refusal.field, refusal.problem, refusal.fix)
+
+
+def expected(strategy: str, family: str, lora: bool) -> Refusal | None:
+    """``None`` when the cell trains and saves ``final/``; else the refusal it meets before launch, in
+    validation's order (LoRA options are checked with the model, before the strategy's own checks)."""
+    if lora and strategy in LORA_REFUSED:
+        return LORA_REFUSED[strategy]
+    return family_refusal(strategy, family) or DEFAULT_CONFIG_REFUSED.get((strategy, family))
+
+
+def check_lora(strategy: str, lora_r: int) -> None:
+    """Raise the table's refusal for LoRA under ``strategy`` (called by that strategy's ``validate``)."""
+    if lora_r > 0 and (refusal := LORA_REFUSED.get(strategy)) is not None:
+        raise HftkError(refusal.field, refusal.problem, refusal.fix)
+
+
+def render_markdown() -> str:
+    """The README's support table (between its ``support-table`` markers), notes numbered per refusal."""
+    notes: list[Refusal] = []
+
+    def mark(refusal: Refusal) -> str:
+        if refusal not in notes:
+            notes.append(refusal)
+        return f"[{notes.index(refusal) + 1}]"
+
+    def cell(strategy: str, family: str) -> str:
+        full, lora = expected(strategy, family, False), expected(strategy, family, True)
+        if full is not None:
+            return f"refused {mark(full)}"
+        return "full, LoRA" if lora is None else f"full; LoRA refused {mark(lora)}"
+
+    def quantized(strategy: str) -> str:
+        refusal = QUANT_REFUSED.get(strategy)
+        return "QLoRA" if refusal is None else f"refused {mark(refusal)}"
+
+    families = list(FAMILIES)
+    lines = ["| strategy | " + " | ".join(FAMILIES[f].name for f in families) + " | 4/8-bit base (QLoRA; GPT-2, Llama) |",
+             "|---" * (len(families) + 2) + "|"]
+    lines += [f"| {s} | " + " | ".join(cell(s, f) for f in families) + f" | {quantized(s)} |" for s in STRATEGIES]
+    lines += [""] + [f"[{i}] `{r.field}`: {r.problem}" + ("  " if i < len(notes) else "")
+                     for i, r in enumerate(notes, 1)]
+    return "\n".join(lines) + "\n"
+
+
+BEGIN = "<!-- support-table: generated by `python -m hftk.config.support README.md`; do not edit by hand -->"
+END = "<!-- /support-table -->"
+
+
+def with_table(readme: str) -> str:
+    """``readme`` with the text between its support-table markers replaced by :func:`render_markdown`."""
+    head, found, rest = readme.partition(BEGIN + "\n")
+    if not found or END not in rest:
+        raise HftkError("README.md", "has no support-table markers.", f"add the lines {BEGIN} and {END}.")
+    return head + BEGIN + "\n" + render_markdown() + END + rest.split(END, 1)[1]
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    if len(sys.argv) > 1:  # rewrite the table inside that file
+        Path(sys.argv[1]).write_text(with_table(Path(sys.argv[1]).read_text()))
+    else:
+        print(render_markdown(), end="")

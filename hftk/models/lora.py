@@ -1,0 +1,427 @@
+"""LoRA through PEFT, applied from outside the model code, and its adapters saved whole.
+
+The one place hftk knows about LoRA: which modules to adapt (``model.lora_target_modules``, else the
+family's default, checked against the model's real module names before any process group starts);
+``get_peft_model`` before any strategy wraps or shards the model, seeded (FSDP2 and pipeline stages
+keep each rank's own values, so every rank must draw the same ``lora_A``), the adapters partitioned
+like the base under ZeRO-3; every adapter tensor read whole out of whatever holds it (reading
+``state_dict()`` instead is the field's incomplete-adapter failure, peft#453: ZeRO-3 partitions are
+empty tensors outside a gather); PEFT's own folder format, proven complete by shape; and the merge
+(``merge_and_unload``) for ``hftk export --merge`` and the merged Hub push.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from hftk.config import support
+from hftk.config.family_table import FAMILIES, supported_families
+from hftk.config.options import ModelConfig, RunConfig
+from hftk.core.errors import HftkError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_NAME = "default"  # PEFT's name for the one adapter get_peft_model creates
+# Beside a QLoRA adapter: the BitsAndBytesConfig of the base it was trained on (PEFT records none), so that
+# `hftk export --merge` merges into that base dequantized -- the weights the adapter was trained against.
+QUANTIZATION_FILE = "hftk_quantization.json"
+# Layer types PEFT's LoRA can wrap (transformers' Conv1D is GPT-2's linear layer).
+ADAPTABLE = ("Linear", "Conv1D", "Embedding", "Conv1d", "Conv2d", "Conv3d")
+
+
+# ---- before any process group ----
+
+def target_modules(cfg: ModelConfig, model_type: str) -> list[str]:
+    """The module names to adapt: the user's list, else the architecture's attention and MLP projections."""
+    if cfg.lora_target_modules:
+        return [name.strip() for name in cfg.lora_target_modules.split(",") if name.strip()]
+    if model_type not in FAMILIES:
+        raise HftkError("model.lora_target_modules", f"hftk has no default LoRA targets for architecture "
+                        f"'{model_type}'.", f"pass --lora_target_modules with its attention / MLP layer names "
+                        f"(defaults exist for {supported_families()}).")
+    return list(FAMILIES[model_type].lora_targets)
+
+
+def lora_config(cfg: ModelConfig, model_type: str) -> Any:
+    """PEFT's ``LoraConfig`` of this run (no bias, causal LM, base revision recorded, DoRA / rsLoRA)."""
+    from peft import LoraConfig
+
+    # GPT-2's Conv1D stores weights (in, out); quantized, transformers replaced it by a bitsandbytes Linear (out, in).
+    conv1d = model_type == "gpt2" and not (cfg.load_in_4bit or cfg.load_in_8bit)
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=target_modules(cfg, model_type), bias="none", task_type="CAUSAL_LM",
+                      fan_in_fan_out=conv1d, use_dora=cfg.use_dora, use_rslora=cfg.use_rslora,
+                      revision=None if cfg.model_revision == "main" else cfg.model_revision)
+
+
+def validate(cfg: RunConfig, model_config: Any) -> None:
+    """LoRA options that cannot work, named before any process starts."""
+    from hftk.models.loading import quantized_field
+
+    m = cfg.model
+    check_optimizer(str(cfg.args.optim))
+    if m.load_in_4bit and m.load_in_8bit:
+        raise HftkError("model.load_in_8bit", "and load_in_4bit are both set; a base has one quantization.",
+                        "keep one of --load_in_4bit / --load_in_8bit.")
+    if not m.lora_r:
+        needs_lora = [("model.lora_target_modules", m.lora_target_modules), ("model.use_dora", m.use_dora),
+                      ("model.use_rslora", m.use_rslora), (quantized_field(m), quantized_field(m))]
+        for field, value in needs_lora:
+            if value:
+                what = ("quantizes the frozen base, and a quantized base cannot be fully fine-tuned"
+                        if field == quantized_field(m) else "is set")
+                raise HftkError(field, f"{what}, but lora_r is 0, so no adapter would be trained.",
+                                f"set --lora_r (e.g. 8) to train LoRA on it, or drop --{field.split('.')[1]}.")
+        if cfg.hub.hub_push_merged:
+            raise HftkError("hub.hub_push_merged", "merges a LoRA adapter, but lora_r is 0 (full fine-tuning).",
+                            "drop --hub_push_merged, or train LoRA with --lora_r.")
+        return
+    if m.lora_alpha <= 0:
+        raise HftkError("model.lora_alpha", f"must be > 0, got {m.lora_alpha}.", "use e.g. 16 (scale = alpha / r).")
+    if not 0 <= m.lora_dropout < 1:
+        raise HftkError("model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}.", "use e.g. 0.05 or 0.")
+    support.check_lora(cfg.strategy.strategy, m.lora_r)  # tp / cp / sp shard the layers LoRA wraps
+    support.check_quantized(cfg.strategy.strategy, quantized_field(m))
+    check_quantization(cfg)
+    check_targets(m, model_config)
+
+
+def check_optimizer(optim: str) -> None:
+    """bitsandbytes' paged optimizers page their state between GPU and CPU memory; on CPU they would
+    silently run the plain optimizer (bitsandbytes only warns), so they are refused there by name."""
+    if "paged" in optim and not torch.cuda.is_available():
+        raise HftkError("training.optim", f"{optim} pages optimizer state between GPU and CPU memory, and this "
+                        "machine has no GPU.", f"use {optim.replace('paged_', '')} here, or run on a GPU.")
+
+
+def check_quantization(cfg: RunConfig) -> None:
+    """What a bitsandbytes base needs from the rest of the run: the library, and options it honours."""
+    from hftk.models.loading import quantized_field
+
+    field = quantized_field(cfg.model)
+    if field is None:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise HftkError(field, "needs the bitsandbytes package, which is not installed.",
+                        "pip install -e . (it is one of hftk's dependencies) or pip install bitsandbytes.")
+    if cfg.model.load_in_8bit and cfg.strategy.strategy == "fsdp":
+        raise HftkError("model.load_in_8bit", "with strategy fsdp: FSDP2 cannot shard bitsandbytes' int8 weights "
+                        "(integer storage, scales kept beside the tensor).", "use --load_in_4bit with fsdp, or ddp.")
+
+
+def check_targets(cfg: ModelConfig, model_config: Any) -> None:
+    """Every target names at least one adaptable layer of the model (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
+    targets = target_modules(cfg, model_config.model_type)
+    kinds = {name: type(module).__name__ for name, module in model.named_modules() if name}
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in kinds)]
+    if missing:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, kind in kinds.items() if kind in ADAPTABLE})
+        raise HftkError("model.lora_target_modules", f"{', '.join(missing)} match(es) no module of "
+                        f"{model_config.model_type}.", f"choose among its layers: {', '.join(leaves)}.")
+    wrong = sorted({f"{n.rsplit('.', 1)[-1]} ({kind})" for n, kind in kinds.items()
+                    if n.rsplit(".", 1)[-1] in targets and kind not in ADAPTABLE})
+    if wrong:
+        raise HftkError("model.lora_target_modules", f"LoRA cannot wrap {', '.join(wrong)}.",
+                        f"target linear layers only ({', '.join(ADAPTABLE)}).")
+
+
+# ---- applying ----
+
+def is_peft(model: Any) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def apply(model: Any, cfg: RunConfig, args: Any) -> Any:
+    """``get_peft_model`` before the strategy sees the model; a no-op without ``lora_r``.
+
+    ``args`` is the run's ``TrainingArguments`` (seed, main process). Gradient checkpointing needs
+    nothing here: transformers' ``gradient_checkpointing_enable`` makes the embeddings' output
+    require grad, so even reentrant checkpointing backpropagates into the adapters of frozen blocks.
+    """
+    if not cfg.model.lora_r:
+        return model
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_quantized", False):  # QLoRA: frozen base, norms / embeddings in fp32, input grads
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+    with torch.random.fork_rng(devices=[]):  # every rank (and a one-process run) draws the same lora_A
+        torch.manual_seed(args.seed)
+        model = get_peft_model(model, lora_config(cfg.model, model.config.model_type))
+    _partition_like_base(model)
+    counts = parameter_counts(model)
+    if args.process_index == 0:
+        from hftk.telemetry.metrics import append_jsonl
+
+        targets = ", ".join(sorted(model.peft_config[ADAPTER_NAME].target_modules))
+        print(f"hftk: LoRA r={cfg.model.lora_r} alpha={cfg.model.lora_alpha} on {targets}: "
+              f"{counts['lora_trainable_params']:,} trainable of {counts['lora_total_params']:,} parameters "
+              f"({100 * counts['lora_trainable_fraction']:.3f}%)", flush=True)
+        append_jsonl(cfg.output_dir / cfg.tracking.metrics_file, {"step": 0, **counts})
+    return model
+
+
+def _partition_like_base(model: Any) -> None:
+    """Under ZeRO-3 ``zero.Init`` partitioned the base at load; the adapters PEFT added since are
+    partitioned the same way now (DeepSpeed's own conversion), so no rank holds a whole weight."""
+    zero = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    fresh = [p for p in model.parameters() if not hasattr(p, "ds_id")]
+    if zero and fresh:
+        zero[0].convert_to_zero_parameters(param_list=fresh)
+
+
+def full_numel(param: torch.Tensor) -> int:
+    """Elements of the whole parameter (a ZeRO-3 partition reports its full count in ``ds_numel``)."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def parameter_counts(model: Any) -> dict[str, float]:
+    params = list(model.parameters())
+    trainable = sum(full_numel(p) for p in params if p.requires_grad)
+    total = sum(full_numel(p) for p in params)
+    return {"lora_trainable_params": trainable, "lora_total_params": total,
+            "lora_trainable_fraction": trainable / total}
+
+
+# ---- gathering and saving ----
+
+def adapter_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    """Full shape of every adapter weight by parameter name (LoRA without bias: what PEFT saves)."""
+    return {n: full_shape(p) for n, p in model.named_parameters() if "lora_" in n}
+
+
+def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """Every adapter weight whole, as a CPU tensor, under the model's parameter names.
+
+    A collective under FSDP2 (``full_tensor``) and ZeRO-3 (``GatheredParameters``): every rank
+    calls it, in the same parameter order; every rank gets the result.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    if any(hasattr(p, "ds_id") for _, p in named):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return {n: p.detach().to("cpu", copy=True) for n, p in named}
+    detached = [(n, p.detach()) for n, p in named]
+    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).to("cpu", copy=True) for n, t in detached}
+
+
+def gather_pieces(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Union of every rank's whole tensors (pipeline: each rank holds its stages' adapters)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return dict(local)
+    from hftk.comm.collectives import gather_objects
+
+    return {k: v for piece in gather_objects({k: v.to("cpu") for k, v in local.items()}) for k, v in piece.items()}
+
+
+def saved_name(name: str) -> str:
+    """PEFT's file key for a model parameter name: ``...lora_A.default.weight`` -> ``...lora_A.weight``,
+    ``...lora_magnitude_vector.default.weight`` -> ``...lora_magnitude_vector`` (get_peft_model_state_dict's keys)."""
+    marker = f".{ADAPTER_NAME}."
+    if marker in name:
+        head, tail = name.rsplit(marker, 1)
+        if head.endswith(".lora_magnitude_vector"):  # DoRA: PEFT saves the magnitude without ``.weight``
+            return head
+        return f"{head}.{tail}"
+    return name.removesuffix(f".{ADAPTER_NAME}")
+
+
+def write_adapter(folder: Path, config: Any, tensors: dict[str, torch.Tensor],
+                  shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's format; with ``shapes``
+    (parameter name -> full shape) the file is proven to hold every adapter tensor whole."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({saved_name(k): v.contiguous() for k, v in tensors.items()}, str(folder / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    config = copy.deepcopy(config)
+    config.inference_mode = True
+    config.save_pretrained(str(folder))
+    if shapes is not None:
+        check_adapter(folder, {saved_name(k): v for k, v in shapes.items()})
+
+
+def check_adapter(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
+    """Every expected adapter tensor is in the file with its full shape (headers only)."""
+    from safetensors import safe_open
+
+    if not (Path(folder) / ADAPTER_CONFIG).is_file():
+        raise HftkError("output", f"{folder} has no {ADAPTER_CONFIG}.", "rerun the save; check free disk space.")
+    with safe_open(str(Path(folder) / ADAPTER_WEIGHTS), framework="pt") as handle:
+        saved = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+    bad = {k: (list(shape), saved.get(k)) for k, shape in expected.items() if saved.get(k) != shape}
+    if bad or not expected:
+        raise HftkError("output", f"{folder}: the adapter lacks or truncates {len(bad)} of {len(expected)} LoRA "
+                        f"tensors, e.g. {next(iter(bad.items()), None)}.",
+                        "the adapters were not gathered before saving; report this with the strategy used.")
+
+
+def save_adapter(model: Any, folder: Path, is_main: bool) -> None:
+    """Collective: gather the adapter from any sharding; the main process writes and checks it."""
+    tensors = adapter_tensors(model)
+    if is_main:
+        write_adapter(folder, model.peft_config[ADAPTER_NAME], tensors, adapter_shapes(model))
+        write_quantization_record(model, folder)
+
+
+def write_quantization_record(model: Any, folder: Path) -> None:
+    """A QLoRA adapter's base quantization beside it, so that a merge quantizes the base as in training."""
+    quantization = getattr(model.config, "quantization_config", None)
+    if quantization is not None:
+        (Path(folder) / QUANTIZATION_FILE).write_text(json.dumps(quantization.to_dict(), indent=2, default=str))
+
+
+class QuantizationRecordCallback(TrainerCallback):
+    """The Trainer's own ``checkpoint-N`` of a PEFT model holds the adapter but not the base's
+    quantization; this adds it while the checkpoint is still staged (before it is sealed)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if args.should_save and folder.is_dir() and not (folder / QUANTIZATION_FILE).exists():
+            write_quantization_record(self.model, folder)
+
+
+def save_final(trainer: Any, folder: Path) -> None:
+    """The final folder of a Trainer LoRA run under any strategy: adapter + tokenizer."""
+    import torch.distributed as dist
+
+    save_adapter(trainer.model, folder, trainer.args.should_save)
+    if trainer.args.should_save and trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(str(folder))
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def load_adapter(model: Any, folder: Path) -> None:
+    """Adapter weights from ``folder`` into a (possibly FSDP2-sharded) PeftModel; a collective under FSDP2."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    saved = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
+    names = adapter_shapes(model)
+    state = {name: saved[saved_name(name)] for name in names if saved_name(name) in saved}
+    missing = sorted(set(names) - set(state))
+    if missing:
+        raise HftkError("training.resume_from_checkpoint", f"{folder} lacks adapter tensors {missing[:3]}.",
+                        "resume from a complete checkpoint of the same LoRA configuration.")
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+# ---- export and merge ----
+
+def is_adapter_folder(path: Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file() and (Path(path) / ADAPTER_WEIGHTS).is_file()
+
+
+def base_model_of(folder: Path) -> str:
+    """The base model an adapter was trained on (PEFT records it in adapter_config.json)."""
+    base = json.loads((Path(folder) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base:
+        raise HftkError("CHECKPOINT", f"{folder}/{ADAPTER_CONFIG} names no base model.",
+                        "pass --base_model with the Hub id or folder the adapter was trained on.")
+    return base
+
+
+def quantization_of(folder: Path) -> dict[str, Any] | None:
+    """The BitsAndBytesConfig (as a dict) of the base a QLoRA adapter was trained on, or None."""
+    path = Path(folder) / QUANTIZATION_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def merged_model(folder: Path, base: str | None = None) -> Any:
+    """The base model with the adapter of ``folder`` folded into its weights (``merge_and_unload``).
+
+    A QLoRA adapter merges into its base quantized as in training, then dequantized (transformers'
+    ``dequantize``): full-precision weights equal to what the adapter was trained against.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    base = base or base_model_of(folder)
+    revision = json.loads((Path(folder) / ADAPTER_CONFIG).read_text()).get("revision")
+    quantization = quantization_of(folder)
+    if quantization is None:
+        model = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype="auto")
+        return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    from hftk.models.loading import local_device
+
+    model = AutoModelForCausalLM.from_pretrained(base, revision=revision, device_map={"": local_device()},
+                                                 quantization_config=BitsAndBytesConfig.from_dict(quantization))
+    merged = PeftModel.from_pretrained(model.dequantize(), str(folder)).merge_and_unload()
+    return in_base_layout(merged)
+
+
+def in_base_layout(model: Any) -> Any:
+    """``model`` rebuilt as its own architecture: dequantizing turned GPT-2's Conv1D layers, which store
+    weights (in, out), into ``nn.Linear`` (out, in); their weights are transposed back so the folder
+    loads with ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(model.config)
+    conv1d = {f"{name}.weight" for name, module in fresh.named_modules() if type(module).__name__ == "Conv1D"}
+    state = {k: (v.t().contiguous() if k in conv1d else v).to("cpu") for k, v in model.state_dict().items()}
+    fresh.load_state_dict(state, strict=True, assign=True)
+    fresh.tie_weights()
+    return fresh
+
+
+def export_adapter(checkpoint: Path, out: Path, merge: bool, base: str | None = None,
+                   repo_id: str | None = None) -> str:
+    """Write ``out`` from a LoRA checkpoint: the adapter folder, or (``merge``) the merged full model
+    with the run's record and a model card saying how it was merged (when the run's record is found).
+
+    Tokenizer files come along in both cases (and a QLoRA adapter's quantization record); returns the
+    kind of folder written: ``lora-adapter``, ``lora-merged`` or ``qlora-merged`` (dequantized base).
+    """
+    from transformers import AutoTokenizer
+
+    from hftk.checkpoint.hf_folder import check_complete, shapes_of
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    if merge:
+        model = merged_model(checkpoint, base)
+        model.save_pretrained(str(out))
+        check_complete(out, shapes_of(model))
+        kind = "qlora-merged" if quantization_of(checkpoint) else "lora-merged"
+        from hftk.checkpoint.run_record import find_run_record, write_run_files
+
+        record = find_run_record(Path(checkpoint))
+        if record is not None:
+            write_run_files(out, {**record, "merged": True}, repo_id)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, QUANTIZATION_FILE):
+            if (Path(checkpoint) / name).is_file() or name != QUANTIZATION_FILE:
+                shutil.copy2(Path(checkpoint) / name, out / name)
+        kind = "lora-adapter"
+    tokenizer.save_pretrained(str(out))
+    return kind

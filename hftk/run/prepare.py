@@ -1,0 +1,141 @@
+"""One fine-tuning run: parse and validate everything, then hand over to an engine.
+
+Everything up to :func:`prepare` runs before any process group exists, so bad input costs
+one line on stderr and exit code 2, and nothing on disk is touched.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hftk.config import strategy_table
+from hftk.config.options import RunConfig, is_main_process, load_config
+from hftk.core import allocator, output, startup
+from hftk.core.errors import HftkError, report
+from hftk.data.dataset import check_holdouts, combined_format, load_sources
+from hftk.engine.run_types import PreparedRun
+from hftk.launch import configs
+from hftk.models.loading import load_model_config, load_tokenizer, resolve_model_path
+from hftk.plan import estimate
+from hftk.run import validate
+
+
+def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> PreparedRun:
+    """Parse, validate and read what validation needs: config, model config, raw data (or the blocks of
+    ``data.tokenized_path``, checked against this config); then write a built-in model into its cache
+    (before any process group: see ``builtin.materialize_model``).
+
+    A run that trains on CPU first tells glibc to give freed memory back (``allocator``): every
+    engine, bench and test worker starts here, before any model exists. GPU runs keep glibc's
+    defaults: their host memory is not what the plan budgets, and the setting costs CPU time. Then the
+    libraries' own notices and bars are switched off (``output.quiet_libraries``) before any of them prints."""
+    cfg = load_config(argv)
+    on_cpu = trains_on_cpu(cfg)
+    if on_cpu:
+        allocator.return_freed_memory()
+    output.quiet_libraries(on_cpu)  # before validation imports transformers' integrations
+    configs.adopt_launcher_strategy(cfg)  # accelerate_configs/<strategy>.yaml says it through the environment
+    validate.check_config(cfg)
+    world_size = validate.launch_world_size()
+    model_config = load_model_config(cfg.model)
+    validate.check_model(cfg, model_config)
+    if cfg.strategy.strategy == "auto":
+        cfg.strategy.strategy = estimate.resolve_auto(cfg, model_config, world_size)
+    strategy_table.get(cfg.strategy.strategy).validate(cfg, world_size)
+    if read_tokenized and cfg.data.tokenized_path:
+        from hftk.run import preprocess
+
+        tokenized = preprocess.load(cfg, load_tokenizer(cfg.model, cfg.data.chat_template))
+        return PreparedRun(cfg=cfg, model_config=model_config, raw=None, data_format=tokenized.data_format,
+                           world_size=world_size, tokenized=tokenized)
+    # Conversations need the tokenizer's chat template now (a built-in model is then written early).
+    sources = load_sources(cfg.data, lambda: load_tokenizer(cfg.model, cfg.data.chat_template))
+    validate.check_data(cfg, combined_format(sources))
+    for source in sources:  # each dataset's options were copied before check_data resolved data.packing
+        source.cfg.packing = cfg.data.packing
+    check_holdouts(sources)
+    resolve_model_path(cfg.model)  # valid input: a built-in is written now, before any process group
+    return PreparedRun(cfg=cfg, model_config=model_config, raw=sources[0].raw, data_format=combined_format(sources),
+                       world_size=world_size, sources=sources)
+
+
+def trains_on_cpu(cfg: RunConfig) -> bool:
+    import torch
+
+    return bool(cfg.training.get("use_cpu")) or not torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``scripts/finetune.py`` and ``hftk train``."""
+    import importlib
+
+    startup.mark("imports")
+    try:
+        prepared = prepare(argv)
+    except HftkError as exc:
+        return report(exc)
+    startup.mark("prepare")
+    output.announce_cpu(is_main_process())
+    engine = strategy_table.spec(prepared.cfg.strategy.strategy).engine
+    try:
+        importlib.import_module(f"hftk.engine.{engine}").train(prepared)
+    except HftkError as exc:
+        code = report(exc)
+    except SystemExit as stop:  # an engine's deliberate stop: preemption (75), NaN policy (65)
+        if prepared.world_size == 1:
+            raise
+        code = stop.code if isinstance(stop.code, int) else 1
+    else:
+        code = 0
+    if prepared.world_size > 1:
+        exit_without_teardown(code)  # the launcher must see this code, not a teardown abort's
+    return code
+
+
+def exit_without_teardown(code: int) -> None:
+    """Leave a finished distributed run without the interpreter's C++ teardown.
+
+    Everything is saved, pushed and flushed by now, and the engine has destroyed the process
+    group; yet now and then a rank still aborted at interpreter exit ("terminate called without
+    an active exception", a c10d/gloo thread destroyed while joinable), turning a complete run
+    into a launcher failure. Finishing trackers and flushing here, then ``os._exit``, skips only
+    that teardown. Every multi-process entry point (``hftk train``, the bench and test workers)
+    leaves through here; never call it from a process that is not its own launch's worker.
+    """
+    import logging
+    import os
+
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def preprocess_command(argv: list[str]) -> int:
+    """``hftk preprocess [--config run.yaml] --tokenized_path DIR [options]``: the run's data, once."""
+    from pathlib import Path
+
+    from hftk.data.dataset import tokenize_sources
+    from hftk.run import preprocess
+
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: hftk preprocess --config run.yaml --tokenized_path DIR [any `hftk train` option]\n\n"
+              + preprocess.__doc__.strip())
+        return 0
+    target = load_config(argv).data.tokenized_path
+    if not target:
+        raise HftkError("data.tokenized_path", "hftk preprocess needs a folder to write.", "pass --tokenized_path DIR.")
+    if Path(target).exists():
+        raise HftkError("data.tokenized_path", f"'{target}' already exists.", "choose a new folder or delete it.")
+    prepared = prepare(argv, read_tokenized=False)
+    cfg = prepared.cfg
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    data = tokenize_sources(prepared.sources, tokenizer, cfg.training["seed"])
+    summary = preprocess.save(Path(target), data, preprocess.fingerprint(cfg, tokenizer))
+    parts = [f"{name}: {s['blocks']} blocks, {s['tokens']} tokens ({s['labelled_tokens']} labelled)"
+             for name, s in summary.items()]
+    print(f"hftk: preprocess: {data.data_format}; " + "; ".join(parts) + f" -> {target}", flush=True)
+    return 0

@@ -1,0 +1,308 @@
+"""Every check that can fail on user input, run before any process group exists.
+
+Checks are ordered from cheapest (pure config) to those that read the model config or the
+raw dataset, so most mistakes are reported in well under a second.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hftk.comm.register import validate as check_compression
+from hftk.config import support
+from hftk.config.options import RunConfig
+from hftk.core.errors import HftkError
+from hftk.engine.resilience import check_restartable
+from hftk.launch.guard import check_accelerate_launch, parent_argv
+from hftk.models.lora import validate as check_lora
+
+
+def launch_world_size() -> int:
+    """World size the launcher asked for (torchrun / accelerate set WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_config(cfg: RunConfig) -> None:
+    """Pure checks on option values and their combinations."""
+    t, d, m = cfg.training, cfg.data, cfg.model
+    positive = {
+        "training.per_device_train_batch_size": cfg.args.per_device_train_batch_size,
+        "training.per_device_eval_batch_size": cfg.args.per_device_eval_batch_size,
+        "training.gradient_accumulation_steps": cfg.args.gradient_accumulation_steps,
+        "data.block_size": d.block_size,
+    }
+    for name, value in positive.items():
+        if not isinstance(value, int) or value <= 0:
+            raise HftkError(name, f"must be a positive integer, got {value!r}.", f"set {name} to 1 or more.")
+    if not cfg.args.learning_rate > 0:
+        raise HftkError("training.learning_rate", f"must be > 0, got {cfg.args.learning_rate}.", "set e.g. 5e-4.")
+    if cfg.args.max_steps <= 0 and cfg.args.num_train_epochs <= 0:
+        raise HftkError("training.num_train_epochs", "must be > 0 when max_steps is not set.",
+                        "set training.num_train_epochs or training.max_steps.")
+    if not 0 <= d.eval_fraction < 1:
+        raise HftkError("data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}.", "use e.g. 0.05.")
+    if d.max_train_samples is not None and d.max_train_samples <= 0:
+        raise HftkError("data.max_train_samples", "must be positive.", "remove it or set a positive count.")
+    eval_cap = d.max_eval_samples
+    if eval_cap is not None and (isinstance(eval_cap, bool) or not isinstance(eval_cap, int) or eval_cap <= 0):
+        raise HftkError("data.max_eval_samples", f"must be a positive integer, got {d.max_eval_samples!r}.",
+                        "remove it or set a positive count of evaluation blocks.")
+    if cfg.tracking.comm_profile_steps < 0:
+        raise HftkError("tracking.comm_profile_steps", f"must be >= 0, got {cfg.tracking.comm_profile_steps}.",
+                        "use 0 (no profiling) or N to profile every N-th step.")
+    if not cfg.tracking.imbalance_warn_threshold > 0:
+        raise HftkError("tracking.imbalance_warn_threshold", f"must be > 0, got {cfg.tracking.imbalance_warn_threshold}.",
+                        "use e.g. 0.2 (warn when the slowest rank computes 20 % longer than the fastest).")
+    if m.lora_r < 0:
+        raise HftkError("model.lora_r", "must be >= 0.", "use 0 (full fine-tuning) or a rank like 8.")
+    if t.get("bf16") and t.get("fp16"):
+        raise HftkError("training.fp16", "bf16 and fp16 are both on.", "choose one mixed-precision mode.")
+    if t.get("fp16") and m.model_dtype == "float16" and not m.lora_r and not cfg.strategy.strategy.startswith("zero"):
+        # The AMP loss scaler keeps fp32 master gradients only; fp16 trainable weights make it raise
+        # "Attempting to unscale FP16 gradients" at the first step (LoRA adapters stay fp32 in PEFT,
+        # DeepSpeed keeps its own fp32 master copy: both train).
+        raise HftkError("model.model_dtype", "float16 weights with --fp16: the loss scaler cannot unscale fp16 "
+                        "gradients (it needs fp32 trainable weights).",
+                        "load fp32 weights (model_dtype float32) with --fp16, or use --bf16.")
+    if t.get("fp16") and not torch.cuda.is_available():
+        raise HftkError("training.fp16", "fp16 needs a CUDA GPU (this machine has none).",
+                        "use training.bf16 on CPU, or no mixed precision.")
+    if t.get("tf32"):
+        from transformers.utils import is_torch_tf32_available
+
+        if not is_torch_tf32_available():  # TrainingArguments would raise a ValueError after launch
+            raise HftkError("training.tf32", "TF32 needs an NVIDIA Ampere or newer GPU (none here).",
+                            "drop --tf32 (bf16 is the fast mode on CPU).")
+    if t.get("hub_token"):
+        raise HftkError("training.hub_token", "tokens are never taken as options (they would be saved with the run).",
+                        "export HF_TOKEN or run `hf auth login`.")
+    if t.get("push_to_hub") and not t.get("hub_model_id"):
+        raise HftkError("training.hub_model_id", "push_to_hub needs a repository id.", "pass --hub_model_id user/name.")
+    if t.get("push_to_hub"):
+        from hftk.publish.hub import check_can_push
+
+        check_can_push("training.push_to_hub")
+        if t.get("hub_revision"):
+            raise HftkError("training.hub_revision", "hftk pushes to the repository's main branch only.",
+                            "drop --hub_revision, or push to a separate repository id.")
+    if cfg.hub.hub_upload_retries < 1:
+        raise HftkError("hub.hub_upload_retries", "must be at least 1.", "set it to 1 or more (default 5).")
+    for name, value, accepted, what in _ranges(cfg):
+        if not accepted:
+            raise HftkError(name, f"must be {what}, got {value!r}.", f"set {name} {what}.")
+    check_training_arguments(cfg.training)
+    if d.chat_template:
+        from hftk.data.chat import resolve_template
+
+        resolve_template(d.chat_template)  # a shipped name or a readable Jinja file
+    metrics = cfg.output_dir / cfg.tracking.metrics_file
+    if cfg.tracking.metrics_file in ("", ".", "..") or cfg.tracking.metrics_file.endswith("/") or metrics.is_dir():
+        raise HftkError("tracking.metrics_file", f"'{cfg.tracking.metrics_file}' names a folder, not a file.",
+                        "use a file name like metrics.jsonl (relative to training.output_dir).")
+    check_compression(cfg.strategy, launch_world_size(), dict(os.environ))
+    check_restartable(dict(os.environ))
+    check_accelerate_launch(dict(os.environ), parent_argv())
+    _check_parallel_degrees(cfg)
+    _check_output_dir(cfg)
+
+
+def _ranges(cfg: RunConfig) -> list[tuple[str, Any, Any, str]]:
+    """(field, value, accepted?, what is accepted) for the numeric options checked nowhere else."""
+    m, d, t, a = cfg.model, cfg.data, cfg.training, cfg.args
+    cores = os.cpu_count() or 1
+    steps = {k: t.get(k) for k in ("logging_steps", "eval_steps", "save_steps") if t.get(k) is not None}
+    return [
+        ("model.model_dropout", m.model_dropout, m.model_dropout is None or 0 <= m.model_dropout < 1, "in [0, 1)"),
+        ("data.preprocessing_num_workers", d.preprocessing_num_workers,
+         d.preprocessing_num_workers is None or 1 <= d.preprocessing_num_workers <= cores,
+         f"between 1 and this machine's {cores} cores (or unset)"),
+        ("training.dataloader_num_workers", a.dataloader_num_workers,
+         0 <= a.dataloader_num_workers <= cores, f"between 0 and this machine's {cores} cores"),
+        ("data.pad_to_multiple_of", d.pad_to_multiple_of,
+         d.pad_to_multiple_of is None or 1 <= d.pad_to_multiple_of <= d.block_size,
+         f"a number of tokens between 1 and data.block_size ({d.block_size}), e.g. 8 (or unset)"),
+        ("tracking.check_sync_steps", cfg.tracking.check_sync_steps, cfg.tracking.check_sync_steps >= 0, ">= 0 (0: off)"),
+        ("hub.hub_retry_backoff_s", cfg.hub.hub_retry_backoff_s, cfg.hub.hub_retry_backoff_s >= 0, ">= 0 seconds"),
+        ("training.weight_decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
+        ("training.ddp_timeout", a.ddp_timeout, a.ddp_timeout > 0, "a positive number of seconds"),
+        ("training.seed", a.seed, 0 <= a.seed < 2**32, "in [0, 2**32) (numpy's seed range)"),
+        *[(f"training.{k}", v, v > 0, "positive (a step count, or a fraction of the run below 1)")
+          for k, v in steps.items()],
+    ]
+
+
+def check_training_arguments(training: dict[str, Any]) -> None:
+    """``TrainingArguments``' own checks, run now instead of after launch (where they were a traceback per rank).
+
+    Its ``__post_init__`` resolves the device, which starts the process group under a launcher; a
+    subclass answers the device questions with "CPU, one process" so every other check runs as
+    transformers wrote it, with no group, no accelerate state and the environment left as it was."""
+    from transformers import TrainingArguments
+    from transformers.training_args import ParallelMode
+    from transformers.utils import logging as hf_logging
+
+    class Unlaunched(TrainingArguments):
+        device = property(lambda self: torch.device("cpu"))
+        n_gpu = property(lambda self: 0)
+        parallel_mode = property(lambda self: ParallelMode.NOT_PARALLEL)
+
+    env, verbosity = dict(os.environ), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its warnings come again, once, when the engine builds the real one
+    try:
+        # `deepspeed` (the JSON hftk's zero strategies write) would ask the distributed state for the world size
+        args = Unlaunched(**{**{k: v for k, v in training.items() if k != "deepspeed"}, "use_cpu": True})
+    except (ValueError, TypeError, KeyError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        named = next((k for k in training if k in message), None) or next(
+            (k for k, v in training.items() if isinstance(v, str) and f"{v} is not a valid" in message), None)
+        raise HftkError(f"training.{named}" if named else "training", message.rstrip(".") + ".",
+                        "see `hftk train --help` for the accepted values.") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        os.environ.clear()
+        os.environ.update(env)
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    try:
+        get_reporting_integration_callbacks(args.report_to)
+    except ValueError as exc:
+        raise HftkError("training.report_to", str(exc).splitlines()[0], "pass one of those names, or none.") from None
+
+
+def _check_parallel_degrees(cfg: RunConfig) -> None:
+    """A tensor/sequence/context-parallel degree only means something to the strategies that apply it."""
+    from hftk.config.strategy_table import STRATEGIES
+
+    s = cfg.strategy
+    degrees = dict.fromkeys(option for spec in STRATEGIES.values() for option in spec.options)
+    for name in degrees:
+        owners = [n for n, spec in STRATEGIES.items() if name in spec.options]
+        if getattr(s, name) != 1 and s.strategy not in owners:
+            raise HftkError(f"strategy.{name}", f"is {getattr(s, name)} but strategy {s.strategy} does not use it.",
+                            f"pass --strategy {' or '.join(owners)}, or leave {name} at 1.")
+
+
+def _check_output_dir(cfg: RunConfig) -> None:
+    """Never silently train over someone's earlier checkpoints."""
+    from hftk.checkpoint.atomic import check_resumable, continues_this_job, resolve_resume
+
+    resume = cfg.training.get("resume_from_checkpoint")
+    if resume and resume != "latest" and not Path(resume).is_dir():
+        raise HftkError("training.resume_from_checkpoint", f"'{resume}' is not a checkpoint folder.",
+                        "pass an existing checkpoint-N folder or 'latest'.")
+    if resume and resume != "latest" and not continues_this_job(cfg.output_dir):
+        check_resumable(Path(resume))
+    _check_writable(cfg.output_dir)
+    restarted = continues_this_job(cfg.output_dir)  # an elastic round resumes its own checkpoints
+    earlier = any(Path(cfg.output_dir).glob("checkpoint-*"))  # complete or not: either is someone's work
+    if not resume and not restarted and earlier and not cfg.training.get("overwrite_output_dir"):
+        raise HftkError("training.output_dir", f"{cfg.output_dir} already holds checkpoints of another run.",
+                        "pass --resume_from_checkpoint latest to continue it, or choose a new output_dir.")
+    folder = resolve_resume(cfg.output_dir, resume)
+    if folder:
+        check_world_change(cfg, Path(folder), launch_world_size())
+
+
+def check_world_change(cfg: RunConfig, folder: Path, world_size: int) -> None:
+    """A resume at another world size than ``folder`` was saved with: exact, or refused in one line.
+
+    Strategies whose checkpoints hold whole or DCP-resharded state, or ZeRO shards that DeepSpeed converts
+    to its universal checkpoint (the table's ``reshards_on_resume``: ddp, fsdp, tp, cp, sp, zero1, zero2)
+    continue exactly when the global batch is kept (the Trainer then skips the same samples); every other
+    format holds one piece per rank, which a resume would load in part: refused."""
+    from hftk.checkpoint.atomic import saved_world
+    from hftk.config import strategy_table
+    from hftk.strategies.parallel_dims import parallel_dims
+
+    saved, global_batch = saved_world(folder)
+    if saved is None or saved == world_size:
+        return
+    field = "training.resume_from_checkpoint"
+    module, reshards = strategy_table.get(cfg.strategy.strategy), strategy_table.spec(cfg.strategy.strategy).reshards_on_resume
+    where = f"{folder} was saved by {saved} ranks; this launch has {world_size}"
+    if not reshards or cfg.strategy.grad_compression != "none":
+        own = getattr(module, "OTHER_WORLD_SIZE_FIX", "")
+        why = "per-rank gradient compression state" if reshards else f"{cfg.strategy.strategy}'s per-rank checkpoint pieces"
+        raise HftkError(field, f"{where}, and {why} cannot be split or joined across ranks.",
+                        f"resume with {saved} ranks{own}.")
+    args = cfg.args
+    readers = parallel_dims(cfg.strategy, world_size).data_parallel
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * readers
+    if global_batch is None:
+        raise HftkError(field, f"{where}, and its seal records no global batch to continue the data position from.",
+                        f"resume with {saved} ranks.")
+    if batch != global_batch:
+        micro = args.per_device_train_batch_size * readers
+        keep = (f"--gradient_accumulation_steps {global_batch // micro} with --per_device_train_batch_size "
+                f"{args.per_device_train_batch_size}" if global_batch % micro == 0 else
+                f"per_device_train_batch_size x gradient_accumulation_steps x {readers} data-parallel ranks = "
+                f"{global_batch}")
+        raise HftkError(field, f"{where}, and the global batch would be {batch} instead of {global_batch}: "
+                        "the data position would not continue where it stopped.",
+                        f"keep its global batch of {global_batch}: {keep}.")
+
+
+def _check_writable(output_dir: Path) -> None:
+    """The output folder is a folder (or can become one) that this user may write in."""
+    field = "training.output_dir"
+    if output_dir.exists() and not output_dir.is_dir():
+        raise HftkError(field, f"{output_dir} is a file, not a folder.", "choose a folder path for --output_dir.")
+    existing = next(p for p in [output_dir, *output_dir.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        raise HftkError(field, f"{existing} (part of {output_dir}) is a file, so the folder cannot be made.",
+                        "choose a folder path for --output_dir.")
+    import tempfile
+
+    try:  # a nameless probe (O_TMPFILE): root passes permission bits, but not read-only mounts
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as exc:
+        raise HftkError(field, f"cannot write in {existing}: {exc.strerror}.",
+                        "choose a folder you can write to, or fix its permissions.") from None
+
+
+def check_model(cfg: RunConfig, model_config: Any) -> None:
+    """Checks that need the model's config (read without weights)."""
+    from hftk.models.loading import context_length
+
+    limit = context_length(model_config)
+    if limit is not None and cfg.data.block_size > limit:
+        raise HftkError("data.block_size", f"{cfg.data.block_size} exceeds the model's context length {limit}.",
+                        f"set data.block_size to {limit} or less.")
+    check_lora(cfg, model_config)
+    hidden = getattr(model_config, "hidden_size", None)
+    if cfg.model.lora_r and hidden and cfg.model.lora_r > hidden:
+        raise HftkError("model.lora_r", f"{cfg.model.lora_r} exceeds the model's hidden size {hidden} (an adapter "
+                        "of that rank is larger than the weights it adapts).", f"use a rank below {hidden}, e.g. 8.")
+    if cfg.model.tokenizer_name_or_path:
+        from hftk.models.loading import load_tokenizer
+
+        try:
+            load_tokenizer(cfg.model)
+        except Exception as exc:  # transformers raises OSError, ValueError, ...: the first line says which
+            raise HftkError("model.tokenizer_name_or_path", f"cannot load a tokenizer from "
+                            f"'{cfg.model.tokenizer_name_or_path}': {str(exc).splitlines()[0][:300]}",
+                            "pass a folder written by save_pretrained or a Hub id, or leave it unset.") from None
+
+
+def check_data(cfg: RunConfig, data_format: str) -> None:
+    """Checks that need the datasets' formats (known once they are read); resolves ``data.packing auto``."""
+    if cfg.strategy.strategy == "cp" and "messages" in data_format.split("+"):
+        raise HftkError("data.data_format", "context parallel needs full blocks (ring attention takes no padding "
+                        "mask) and conversations are padded, one per block.",
+                        "train conversations with ddp, fsdp, zero1-3, pipeline, tp or sp.")
+    resolve_packing(cfg, data_format)
+
+
+def resolve_packing(cfg: RunConfig, data_format: str) -> None:
+    """``data.packing`` from ``auto`` to the mode the formats and strategy call for, then the support
+    table's refusals (strategy, attention implementation)."""
+    d = cfg.data
+    d.packing = support.resolve_packing(cfg.strategy.strategy, data_format, d.packing, cfg.model.attn_implementation)
+    if d.packing == "concat" and "messages" in data_format.split("+"):
+        raise HftkError("data.packing", "concat would join conversations so that each attends to the one before it.",
+                        "use --packing bfd (whole conversations kept apart) or none (one per row).")
+    support.check_packing(cfg.strategy.strategy, d.packing, cfg.model.attn_implementation)

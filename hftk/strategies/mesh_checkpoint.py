@@ -1,0 +1,74 @@
+"""The on-disk state of tp / cp / sp runs: DCP shards, the gathered HF folder, the offline reader.
+
+Inside a ``checkpoint-N`` folder (written by :mod:`hftk.checkpoint.checkpointer` with the scheduler, trainer
+state and every rank's RNG) this module writes ``dcp/`` (model and AdamW state through
+``torch.distributed.checkpoint``: every rank writes its own shards, no rank ever holds the whole
+model) and ``hftk_mesh.json`` (the layout it was written on). DCP records full shapes and
+offsets, so a checkpoint resumes on another mesh too.
+
+``hftk export`` reads such a folder without any process group (:func:`export_state_dict`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from hftk.checkpoint.atomic import staged_folder
+from hftk.checkpoint.hf_folder import check_complete, model_from, read_dcp_model, shapes_of
+from hftk.strategies.tp_plans import to_hf_state_dict
+
+DCP_DIR = "dcp"
+LAYOUT_FILE = "hftk_mesh.json"
+
+
+def write_state(folder: Path, layout: Any, optimizer: Any) -> None:
+    """Collective: every rank's model and optimizer shards into ``folder/dcp``; rank 0 the layout file."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(layout.model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / DCP_DIR))
+    if dist.get_rank() == 0:  # tp / cp / sp run on a device mesh: a process group is always up
+        (folder / LAYOUT_FILE).write_text(json.dumps(layout.describe, indent=1, sort_keys=True))
+
+
+def read_state(folder: Path, layout: Any, optimizer: Any) -> None:
+    """Restore model and optimizer shards from ``folder/dcp`` (resharded onto this run's mesh)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(layout.model, optimizer)  # templates (optimizer state initialised)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(Path(folder) / DCP_DIR))
+    set_state_dict(layout.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def save_hf_folder(out: Path, layout: Any, tokenizer: Any, write_extra: Callable[[Path], None]) -> None:
+    """Collective: gather every shard to rank 0, which writes a standard HF folder; it appears whole or not at all.
+
+    ``write_extra(folder)`` adds files beside the weights on rank 0 (the run record and model card).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(layout.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with staged_folder(Path(out), publisher=dist.get_rank() == 0) as folder:
+        if dist.get_rank() == 0:
+            model = model_from(layout.model.config, to_hf_state_dict(full), Path(out))
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            check_complete(folder, shapes_of(model))
+            write_extra(folder)
+
+
+def is_mesh_checkpoint(folder: Path) -> bool:
+    return (Path(folder) / LAYOUT_FILE).is_file() and (Path(folder) / DCP_DIR / ".metadata").is_file()
+
+
+def export_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Full model tensors of a mesh checkpoint, read on one process, in the family's own names and shapes."""
+    return to_hf_state_dict(read_dcp_model(Path(folder) / DCP_DIR))

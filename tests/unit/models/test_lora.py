@@ -1,0 +1,92 @@
+"""LoRA and QLoRA options in one process (hftk.models.lora): the default targets of every family, bad LoRA and
+quantization options refused by name, paged optimizers refused without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hftk.core.errors import HftkError
+from tests.helpers import TINY_ARGS
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "llama", "mistral", "qwen2"])
+def test_default_targets_wrap_every_projection_of_the_family(model_type):
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hftk.config.options import ModelConfig
+    from hftk.models.lora import check_targets, lora_config
+
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, n_embd=32, intermediate_size=64,
+                                  num_hidden_layers=2, n_layer=2, num_attention_heads=4, n_head=4,
+                                  num_key_value_heads=2)
+    cfg = ModelConfig(lora_r=4)
+    check_targets(cfg, config)
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(config), lora_config(cfg, model_type))
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped == set(lora_config(cfg, model_type).target_modules)
+    per_block = sum(1 for n, m in model.named_modules() if hasattr(m, "lora_A") and ".0." in n)
+    assert per_block >= 4  # attention and MLP both adapted
+
+
+ERRORS = [
+    ("lora_with_tp", ["--model_name_or_path", "builtin:llama-tiny", "--strategy", "tp", "--tp_size", "2",
+                      "--lora_r", "8"], "model.lora_r", "zero3_offload, pipeline"),
+    ("lora_with_sp", ["--model_name_or_path", "builtin:llama-tiny", "--strategy", "sp", "--sp_size", "2",
+                      "--lora_r", "8"], "model.lora_r", "strategy sp"),
+    ("target_not_in_model", ["--lora_r", "8", "--lora_target_modules", "c_attn,q_proj"], "model.lora_target_modules",
+     "q_proj match(es) no module of gpt2"),
+    ("target_not_linear", ["--lora_r", "8", "--lora_target_modules", "ln_1"], "model.lora_target_modules",
+     "cannot wrap ln_1 (LayerNorm)"),
+    ("negative_rank", ["--lora_r", "-1"], "model.lora_r", "must be >= 0"),
+    ("zero_alpha", ["--lora_r", "8", "--lora_alpha", "0"], "model.lora_alpha", "must be > 0"),
+    ("dropout_one", ["--lora_r", "8", "--lora_dropout", "1.0"], "model.lora_dropout", "[0, 1)"),
+    ("targets_without_rank", ["--lora_target_modules", "c_attn"], "model.lora_target_modules", "lora_r is 0"),
+    ("merged_push_without_lora", ["--hub_push_merged"], "hub.hub_push_merged", "lora_r is 0"),
+]
+
+
+@pytest.mark.parametrize("case_id,args,field,words", ERRORS, ids=[c[0] for c in ERRORS])
+def test_bad_lora_options_are_one_clear_line(case_id, args, field, words, tmp_path, capsys):
+    import torch.distributed as dist
+
+    from hftk.run.prepare import main
+
+    out = tmp_path / "out"
+    assert main([*TINY_ARGS, "--output_dir", str(out), *args]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"hftk: error: {field}:") and words in lines[0], lines
+    assert "Fix:" in lines[0] and not dist.is_initialized() and not out.exists()
+
+
+def refusal(args: list[str], monkeypatch) -> HftkError:
+    from hftk.run.prepare import prepare
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(HftkError) as err:
+        prepare([*TINY_ARGS, *args])
+    return err.value
+
+
+@pytest.mark.parametrize("args,field,words", [
+    (["--load_in_4bit"], "model.load_in_4bit", "cannot be fully fine-tuned"),
+    (["--load_in_8bit"], "model.load_in_8bit", "cannot be fully fine-tuned"),
+    (["--use_dora"], "model.use_dora", "lora_r is 0"),
+    (["--lora_r", "8", "--load_in_4bit", "--load_in_8bit"], "model.load_in_8bit", "both set"),
+    (["--lora_r", "8", "--load_in_4bit", "--strategy", "zero3"], "model.load_in_4bit", "ZeRO-3"),
+    (["--lora_r", "8", "--load_in_8bit", "--strategy", "zero2"], "model.load_in_8bit", "ZeRO-1/2"),
+    (["--lora_r", "8", "--load_in_4bit", "--strategy", "pipeline"], "model.load_in_4bit", "pipeline"),
+    (["--lora_r", "8", "--load_in_4bit", "--strategy", "tp"], "model.lora_r", "tp"),
+    (["--lora_r", "8", "--load_in_8bit", "--strategy", "fsdp"], "model.load_in_8bit", "int8"),
+])
+def test_bad_quantization_options_are_refused_by_name(args, field, words, monkeypatch, tmp_path):
+    err = refusal([*args, "--output_dir", str(tmp_path)], monkeypatch)
+    assert err.field == field and words in err.problem, (err.field, err.problem)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="paged optimizers run on a GPU")
+def test_paged_optimizer_is_refused_without_a_gpu(monkeypatch, tmp_path):
+    err = refusal(["--optim", "paged_adamw_8bit", "--output_dir", str(tmp_path)], monkeypatch)
+    assert err.field == "training.optim" and "adamw_8bit" in err.fix

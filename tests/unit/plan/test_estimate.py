@@ -1,0 +1,225 @@
+"""The memory plan in one process (hftk.plan.estimate): shapes from the meta device, LoRA and quantized bases,
+the sharding order, ``auto``'s pick, the ``hftk plan`` command (tp / sp / cp rows included) and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hftk.data.builtin import builtin_model_config
+from hftk.plan.estimate import (GIB, HEADROOM, PLAN_STRATEGIES, PlanInputs, estimate, model_shape, pick, plan,
+                                resolve_auto)
+from tests.helpers import TINY_ARGS
+
+
+def test_meta_shape_counts_what_the_real_model_holds(tiny_shape):
+    from transformers import AutoModelForCausalLM
+
+    from hftk.data.builtin import materialize_model
+
+    model = AutoModelForCausalLM.from_pretrained(materialize_model("builtin:gpt2-tiny"))
+    params = list(model.parameters())  # GPT-2's tied wte / lm_head once
+    assert tiny_shape.params == tiny_shape.trainable == sum(p.numel() for p in params)
+    assert tiny_shape.trainable_tensors == len(params)
+    assert tiny_shape.largest_block == sum(p.numel() for p in model.transformer.h[0].parameters())
+    assert tiny_shape.layers == 2 and tiny_shape.hidden == 64
+    llama = model_shape(builtin_model_config("builtin:llama-tiny"))
+    assert llama.outside_blocks == 2 * 2048 * 64 + 64  # untied embeddings and LM head, final norm
+
+
+def test_lora_trains_only_the_adapters(tiny_shape):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hftk.config.options import ModelConfig
+    from hftk.data.builtin import materialize_model
+    from hftk.models.lora import lora_config
+
+    lora = model_shape(builtin_model_config("builtin:gpt2-tiny"), lora_r=4)
+    real = get_peft_model(AutoModelForCausalLM.from_pretrained(materialize_model("builtin:gpt2-tiny")),
+                          lora_config(ModelConfig(lora_r=4), "gpt2"))  # the adapters a run adds
+    assert lora.trainable == sum(p.numel() for p in real.parameters() if p.requires_grad) > 0
+    assert lora.params == tiny_shape.params + lora.trainable
+    inputs = PlanInputs(world_size=2, device_memory_bytes=GIB, device="cpu")
+    full, adapted = estimate("ddp", tiny_shape, inputs), estimate("ddp", lora, inputs)
+    assert adapted.optimizer < full.optimizer / 20 and adapted.grads < full.grads / 20
+    assert adapted.params > full.params  # frozen base weights stay
+
+
+def test_sharding_order_follows_theory():
+    shape = model_shape(builtin_model_config("builtin:gpt2-90m"))
+    two = {p.strategy: p for p in plan(shape, PlanInputs(world_size=2, device_memory_bytes=GIB, device="gpu"))}
+    four = {p.strategy: p for p in plan(shape, PlanInputs(world_size=4, device_memory_bytes=GIB, device="gpu"))}
+    state = {s: two[s].model_state for s in PLAN_STRATEGIES}
+    assert state["ddp"] > state["zero1"] >= state["zero2"] > state["zero3"]
+    assert state["fsdp"] <= 0.55 * state["ddp"] and state["zero3"] <= 0.55 * state["ddp"]
+    assert two["ddp"].device_total > two["zero1"].device_total > two["fsdp"].device_total
+    assert two["zero2"].device_total > two["zero3"].device_total
+    # ZeRO-1 holds whole gradients until backward ends, ZeRO-2 only its partition: apart from N = 2 on
+    assert four["zero1"].device_total > four["zero2"].device_total
+    for s in ("fsdp", "zero3", "zero2"):
+        assert four[s].model_state < two[s].model_state
+    assert four["ddp"].model_state == two["ddp"].model_state
+    # offloaded to host memory on a GPU, so its device total is the smallest
+    assert two["zero3_offload"].offloaded > 0 and two["zero3_offload"].device_total < two["zero3"].device_total
+
+
+def test_pick_is_the_least_sharding_that_fits():
+    shape = model_shape(builtin_model_config("builtin:gpt2-90m"))
+    totals = {p.strategy: p.device_total for p in plan(shape, PlanInputs(world_size=2, device_memory_bytes=GIB))}
+
+    def chosen(budget: float) -> str | None:
+        found = pick(plan(shape, PlanInputs(world_size=2, device_memory_bytes=int(budget))))
+        return found.strategy if found else None
+
+    assert chosen(100 * GIB) == "ddp"
+    between = (totals["zero2"] + totals["fsdp"]) / 2 / (1 - HEADROOM)  # zero3 fits too; fsdp comes first
+    assert chosen(between) == "fsdp"
+    assert chosen(min(totals.values()) / 2) is None
+
+
+def _cfg(*argv: str):
+    from hftk.config.options import load_config
+
+    return load_config(["--model_name_or_path", "builtin:gpt2-90m", "--block_size", "64",
+                        "--per_device_train_batch_size", "2", *argv])
+
+
+def test_auto_picks_from_the_plan_and_says_so(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed strategies run only under a launcher
+    monkeypatch.setenv("RANK", "0")
+    cfg = _cfg("--strategy", "auto")
+    shape = model_shape(builtin_model_config("builtin:gpt2-90m"))
+    plans = {p.strategy: p for p in plan(shape, PlanInputs(world_size=2, device_memory_bytes=GIB, seq_len=64,
+                                                           micro_batch=2, device="cpu"))}
+    cfg.strategy.device_memory_gb = plans["fsdp"].device_total / (1 - HEADROOM) / GIB * 1.01
+    assert plans["zero2"].device_total > plans["fsdp"].device_total * 1.01  # so ddp, zero1, zero2 do not fit
+    assert resolve_auto(cfg, builtin_model_config("builtin:gpt2-90m"), 2) == "fsdp"
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("hftk: strategy auto -> fsdp (") and "ddp" in line
+
+
+def test_auto_in_one_process_without_launcher_considers_only_ddp(monkeypatch, capsys):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cfg = _cfg("--strategy", "auto")
+    assert resolve_auto(cfg, builtin_model_config("builtin:gpt2-90m"), 1) == "ddp"
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert out.startswith("hftk: strategy auto -> ddp (")
+    assert all(name in out.split("not runnable: ")[1] for name in PLAN_STRATEGIES[1:])
+
+
+def test_auto_with_nothing_fitting_is_one_line_before_anything_starts(tmp_path, capsys):
+    from hftk.run.prepare import main
+
+    out = tmp_path / "out"
+    code = main([*TINY_ARGS, "--output_dir", str(out), "--strategy", "auto", "--device_memory_gb", "0.01"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("hftk: error: strategy.strategy: auto: no strategy fits") and "Fix:" in err[0]
+    assert not out.exists()
+
+
+def _plan_cli(*args: str):
+    from hftk.cli import main
+
+    return main(["plan", *args])
+
+
+def test_plan_command_prints_every_strategy_and_the_pick(capsys):
+    assert _plan_cli("--model", "builtin:gpt2-90m", "--world_size", "2", "--device_memory", "2", "--seq_len", "64",
+                     "--micro_batch", "2", "--device", "cpu") == 0
+    text = capsys.readouterr().out
+    assert all(f"\n{s} " in text for s in PLAN_STRATEGIES)
+    assert "pick: fsdp" in text.splitlines()[-1]  # ddp and ZeRO-1/2 need more than 2 GiB with headroom
+    assert _plan_cli("--model", "builtin:gpt2-90m", "--world_size", "8", "--device_memory", "80", "--json",
+                     "--lora_r", "8", "--mixed_precision", "bf16", "--gradient_checkpointing") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["pick"] == "ddp" and [p["strategy"] for p in data["plans"]] == list(PLAN_STRATEGIES)
+    assert data["shape"]["trainable"] < data["shape"]["params"] / 50
+
+
+BAD_PLAN = [
+    ("no_model", ["--world_size", "2", "--device_memory", "8"], "--model"),
+    ("zero_ranks", ["--model", "builtin:gpt2-tiny", "--world_size", "0", "--device_memory", "8"], "--world_size"),
+    ("memory_not_a_number", ["--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "lots"],
+     "--device_memory"),
+    ("missing_folder", ["--model", "./no/such/model", "--world_size", "2", "--device_memory", "8"],
+     "model.model_name_or_path"),
+    ("seq_too_long", ["--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "8", "--seq_len", "4096"],
+     "--seq_len"),
+    ("negative_lora", ["--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "8", "--lora_r", "-1"],
+     "--lora_r"),
+    ("unknown_option", ["--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "8", "--gpus", "2"],
+     "--gpus"),
+]
+
+
+@pytest.mark.parametrize("case,args,field", BAD_PLAN, ids=[c[0] for c in BAD_PLAN])
+def test_plan_bad_input_is_one_line(case, args, field, capsys):
+    assert _plan_cli(*args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(f"hftk: error: {field}: ") and "Fix:" in err[0], err
+
+
+@pytest.mark.parametrize("model,bits,double_quant", [("builtin:gpt2-tiny", 4, True), ("builtin:llama-tiny", 4, False),
+                                                      ("builtin:llama-tiny", 8, False)])
+def test_plan_counts_the_quantized_base_as_loaded(model, bits, double_quant):
+    """The plan's bytes of a quantized base + r=8 adapters equal what memory.model_state_bytes counts on
+    the real model (transformers + bitsandbytes + PEFT), within 3% (per-layer block rounding)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from hftk.config.options import ModelConfig
+    from hftk.data.builtin import builtin_model_config, materialize_model
+    from hftk.models.lora import lora_config
+    from hftk.plan.estimate import PlanInputs, estimate, model_shape
+    from hftk.telemetry.memory import model_state_bytes
+
+    config = (BitsAndBytesConfig(load_in_8bit=True) if bits == 8 else BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=torch.float32))
+    base = AutoModelForCausalLM.from_pretrained(materialize_model(model), quantization_config=config,
+                                                device_map={"": "cpu"})
+    options = ModelConfig(lora_r=8, load_in_4bit=bits == 4, load_in_8bit=bits == 8)
+    peft = get_peft_model(prepare_model_for_kbit_training(base, use_gradient_checkpointing=False),
+                          lora_config(options, base.config.model_type))
+    counted = model_state_bytes(peft)["params"]
+    inputs = PlanInputs(world_size=1, device_memory_bytes=2**30, device="cpu", quant_bits=bits,
+                        double_quant=double_quant)
+    planned = estimate("ddp", model_shape(builtin_model_config(model), 8), inputs).params
+    assert planned == pytest.approx(counted, rel=0.03)
+    unquantized = estimate("ddp", model_shape(builtin_model_config(model), 8), PlanInputs(1, 2**30)).params
+    assert planned < 0.8 * unquantized  # embeddings (half of these tiny models) stay fp32
+
+
+def test_plan_command_plans_qlora_for_the_strategies_that_train_it(capsys):
+    from hftk.cli import main
+
+    assert main(["plan", "--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "1", "--lora_r",
+                 "8", "--load_in_4bit", "--optim", "adamw_bnb_8bit", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["strategy"] for p in out["plans"]] == ["ddp", "fsdp"] and out["inputs"]["quant_bits"] == 4
+    assert out["inputs"]["optim_bits"] == 8
+    assert main(["plan", "--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "1",
+                 "--load_in_4bit"]) == 2  # a quantized base trains only adapters
+
+
+def test_hftk_plan_shows_tp_sp_and_cp_rows(capsys):
+    from hftk.core.errors import HftkError
+    from hftk.plan.estimate import plan_command
+
+    base = ["--model", "builtin:llama-tiny", "--world_size", "4", "--device_memory", "1", "--seq_len", "64"]
+    assert plan_command([*base, "--tp_size", "2", "--sp_size", "4"]) == 0
+    rows = {line.split("  ")[0].strip() for line in capsys.readouterr().out.splitlines()}
+    assert {"tp2 x fsdp2", "sp4", "ddp"} <= rows
+    long = ["--model", "builtin:llama-tiny", "--world_size", "4", "--device_memory", "1", "--seq_len", "256", "--json"]
+    assert plan_command([*long, "--cp_size", "4"]) == 0
+    plans = {p["strategy"]: p for p in json.loads(capsys.readouterr().out)["plans"]}
+    # 1/4 of every sequence per rank: less activation memory than FSDP2 over the same 4 ranks, same model state
+    assert plans["cp4"]["activations"] < plans["fsdp"]["activations"] / 3
+    assert plans["cp4"]["params"] == plans["fsdp"]["params"]
+    with pytest.raises(HftkError, match="--tp_size"):
+        plan_command([*base, "--tp_size", "3"])
+    with pytest.raises(HftkError, match="--cp_size"):
+        plan_command([*base, "--cp_size", "2", "--tp_size", "4"])
