@@ -11,8 +11,10 @@ of a save the others never start.
   30 s; a scheduler's kill wait) belongs to the save. A signal that arrives during an
   evaluation stops it at the next eval batch: every rank agrees on the flag once per batch
   (:func:`check_evaluation`) and raises :class:`EvaluationInterrupted` at the same batch, then
-  the engine saves and exits the same way. A second signal while that is under way gets the
-  default action (the scheduler insists).
+  the engine saves and exits the same way. A repeat within :data:`REPEAT_GRACE_S` is the same
+  preemption told twice (``scancel`` signals every process of the job step, then torchrun forwards its
+  own SIGTERM to the workers): it is absorbed. A repeat after that gets the default action (the
+  scheduler insists).
 - Non-finite gradient (a NaN/Inf loss on any rank): the update is dropped (no parameter or
   optimizer-state change; the step counter and learning-rate schedule still advance). With
   ``resilience.nan_policy=stop`` the run then saves that state and exits with
@@ -33,6 +35,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
@@ -42,6 +45,9 @@ from transformers import TrainerCallback
 EXIT_PREEMPTED = 75  # os.EX_TEMPFAIL: the run saved itself and wants to be resumed
 EXIT_NONFINITE = 65  # os.EX_DATAERR: nan_policy=stop met a NaN/Inf loss
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# torchrun's --shutdown_timeout default: the launcher SIGKILLs this long after forwarding a signal, so a
+# repeat inside it is a copy of the first (scancel + torchrun), never a second, more urgent request.
+REPEAT_GRACE_S = 30.0
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,6 +78,7 @@ class PreemptionSignal:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self._received_at = 0.0
         self._previous: dict[int, Any] = {}
 
     @property
@@ -99,11 +106,11 @@ class PreemptionSignal:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:
+        if self.received is None:
+            self.received, self._received_at = signum, time.monotonic()
+        elif time.monotonic() - self._received_at > REPEAT_GRACE_S:
             self.uninstall()
             os.kill(os.getpid(), signum)
-            return
-        self.received = signum
 
 
 def agree(flags: list[bool], device: Any) -> list[bool]:

@@ -200,13 +200,16 @@ def exit_codes(folder) -> dict[str, int]:
     return {f.name: int(f.read_text()) for f in sorted(folder.glob("rank-*"))}
 
 
-def sigterm_the_launcher(run) -> tuple[Launch, float]:
-    """SIGTERM to torchrun, as a scheduler or Kubernetes sends it: torchrun forwards it to the workers and
-    kills them GRACE_S later. Returns the launch and the seconds from the signal to its end."""
+def sigterm_as_scancel_does(run) -> tuple[Launch, float]:
+    """SIGTERM as ``scancel`` sends it: to torchrun and to every worker at once; torchrun then forwards its own
+    to the workers (each gets two) and kills them GRACE_S later. Returns the launch and the seconds from the
+    signal to its end."""
     import time
 
+    workers = [worker_pid(run, rank) for rank in (0, 1)]
     sent = time.time()
-    os.kill(run.proc.pid, signal.SIGTERM)
+    for pid in (run.proc.pid, *workers):
+        os.kill(pid, signal.SIGTERM)
     result = run.finish(timeout=sent - run.started + GRACE_S + 60)  # finish counts from the launch
     return result, time.time() - sent
 
@@ -222,7 +225,7 @@ def eval_preempted(request, tmp_path_factory):
     run = start(2, args, root / "run", script=WORKERS / "slow_eval.py",
                 env={"HFTK_EVAL_SLEEP_S": str(EVAL_SLEEP_S), "HFTK_EXIT_DIR": str(root / "exit")})
     wait_for_output(run, EVAL_MARKER, timeout=300)
-    stopped, seconds = sigterm_the_launcher(run)
+    stopped, seconds = sigterm_as_scancel_does(run)
     emergency = list_checkpoints(root / "run")
     resumed = torchrun(2, FINETUNE, [*args, "--resume_from_checkpoint", "latest", "--output_dir", str(root / "run")],
                        timeout=400)
@@ -271,7 +274,7 @@ def test_sigterm_in_the_step_before_an_evaluation_saves_without_evaluating(engin
                 env={"HFTK_TRAIN_SLEEP_S": "3", "HFTK_EVAL_SLEEP_S": str(EVAL_SLEEP_S),
                      "HFTK_EXIT_DIR": str(tmp_path / "exit")})
     assert wait_for_step(run, 1, timeout=300) == 1
-    stopped, seconds = sigterm_the_launcher(run)
+    stopped, seconds = sigterm_as_scancel_does(run)
     assert exit_codes(tmp_path / "exit") == {"rank-0": EXIT_PREEMPTED, "rank-1": EXIT_PREEMPTED}, stopped.output[-5000:]
     assert "hftk: stopped at step 2: preempted (SIGTERM);" in stopped.stderr, stopped.stderr[-4000:]
     assert EVAL_MARKER not in stopped.stderr and not any("eval_loss" in m for m in metrics(tmp_path / "run"))
@@ -288,7 +291,7 @@ def test_sigterm_during_the_final_evaluation_saves_the_last_step_and_exits_75(en
     run = start(2, [*args, *ENGINES[engine]], tmp_path / "run", script=WORKERS / "slow_eval.py",
                 env={"HFTK_EVAL_SLEEP_S": str(EVAL_SLEEP_S), "HFTK_EXIT_DIR": str(tmp_path / "exit")})
     wait_for_output(run, EVAL_MARKER, timeout=300)
-    stopped, seconds = sigterm_the_launcher(run)
+    stopped, seconds = sigterm_as_scancel_does(run)
     assert exit_codes(tmp_path / "exit") == {"rank-0": EXIT_PREEMPTED, "rank-1": EXIT_PREEMPTED}, stopped.output[-5000:]
     assert "hftk: stopped at step 2: preempted (SIGTERM) during evaluation" in stopped.stderr, stopped.stderr[-4000:]
     assert steps_of(list_checkpoints(tmp_path / "run")) == [2] and is_complete(tmp_path / "run" / "checkpoint-2")

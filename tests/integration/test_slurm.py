@@ -1,4 +1,5 @@
-"""The SLURM batch script: valid bash, and a dry run with a faked SLURM environment prints the right per-node launches."""
+"""The SLURM batch script: valid bash, a dry run with a faked SLURM environment prints the right per-node
+launches, and the time-limit warning reaches the launch as SIGTERM (a stand-in ``srun``: no SLURM here)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.helpers import ROOT
 SCRIPT = ROOT / "scripts" / "slurm" / "finetune.sbatch"
 
 
-def _dry_run(tmp_path: Path, strategy: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+def _slurm_env(tmp_path: Path, **env: str) -> dict[str, str]:
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
     scontrol = fake / "scontrol"
@@ -20,9 +21,12 @@ def _dry_run(tmp_path: Path, strategy: str, *args: str, **env: str) -> subproces
     scontrol.chmod(0o755)
     slurm = {"SLURM_SUBMIT_DIR": str(ROOT), "SLURM_NNODES": "3", "SLURM_JOB_ID": "4242",
              "SLURM_JOB_NODELIST": "gpu-node-[07-09]", "SLURM_GPUS_ON_NODE": "8", "HFTK_DRY_RUN": "1"}
-    full_env = {**os.environ, **slurm, **env, "PATH": f"{fake}:{os.environ['PATH']}"}
-    return subprocess.run(["bash", str(SCRIPT), strategy, *args], capture_output=True, text=True, env=full_env,
-                          timeout=60)
+    return {**os.environ, **slurm, **env, "PATH": f"{fake}:{os.environ['PATH']}"}
+
+
+def _dry_run(tmp_path: Path, strategy: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), strategy, *args], capture_output=True, text=True,
+                          env=_slurm_env(tmp_path, **env), timeout=60)
 
 
 def test_script_is_valid_bash():
@@ -60,3 +64,33 @@ def test_outside_slurm_is_a_clear_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     result = subprocess.run(["bash", str(SCRIPT), "ddp"], capture_output=True, text=True, env=env, timeout=30)
     assert result.returncode != 0 and "not inside a SLURM allocation" in result.stderr
+
+
+FAKE_SRUN = """#!/bin/bash
+# Stand-in for srun: says it started, then behaves like a preempted launch (exit 75 on SIGTERM).
+trap 'echo TERM > "$HFTK_FAKE_DIR/signal"; exit 75' TERM
+touch "$HFTK_FAKE_DIR/started"
+for _ in $(seq 600); do sleep 0.1; done
+"""
+
+
+def test_the_time_limit_warning_reaches_the_launch_as_sigterm(tmp_path):
+    """``#SBATCH --signal=B:USR1@300`` signals the batch shell only; it must pass SIGTERM on to srun (which
+    forwards it to each node's launcher) and exit with srun's status (75: preempted, resume me)."""
+    import signal
+    import time
+
+    assert "#SBATCH --signal=B:USR1@" in SCRIPT.read_text()
+    env = {k: v for k, v in _slurm_env(tmp_path).items() if k != "HFTK_DRY_RUN"}
+    (tmp_path / "bin" / "srun").write_text(FAKE_SRUN)
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    env["HFTK_FAKE_DIR"] = str(tmp_path)
+    batch = subprocess.Popen(["bash", str(SCRIPT), "ddp"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    deadline = time.time() + 30
+    while not (tmp_path / "started").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    batch.send_signal(signal.SIGUSR1)
+    _, stderr = batch.communicate(timeout=30)
+    assert (tmp_path / "signal").read_text().strip() == "TERM", stderr
+    assert batch.returncode == 75, stderr

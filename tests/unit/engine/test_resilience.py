@@ -84,3 +84,26 @@ def test_sigusr1_is_a_preemption_signal_too():
     finally:
         preemption.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_a_repeated_signal_inside_the_grace_period_is_the_same_preemption(monkeypatch):
+    """scancel signals every process of the job step and torchrun forwards its own SIGTERM: a worker gets
+    two at once and must save as for one; a repeat after the grace period is a scheduler insisting."""
+    from hftk.engine import resilience
+
+    clock = [100.0]
+    killed: list[int] = []
+    monkeypatch.setattr(resilience.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(resilience.os, "kill", lambda pid, signum: killed.append(signum))
+    preemption = resilience.PreemptionSignal()
+    preemption.install()
+    try:
+        preemption._handle(signal.SIGTERM, None)
+        clock[0] += resilience.REPEAT_GRACE_S - 1
+        preemption._handle(signal.SIGTERM, None)
+        assert preemption.received == signal.SIGTERM and not killed and preemption.installed
+        clock[0] += 2
+        preemption._handle(signal.SIGTERM, None)
+        assert killed == [signal.SIGTERM] and not preemption.installed  # the default action, re-raised
+    finally:
+        preemption.uninstall()
