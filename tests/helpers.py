@@ -261,6 +261,8 @@ NOISE = {
     "a datasets / transformers progress bar": re.compile(
         r"(tokenize|pack|cut|Map|Filter|Loading weights|Writing model shards)[^:\n]*:\s+\d+%\|"),
     "wandb's history tables": re.compile(r"wandb: Run (history|summary):"),
+    "bitsandbytes' hub-kernel attempt at import": re.compile(
+        r"Failed to load CPU gemm_4bit_forward|Skipping publisher trust check"),
 }
 
 

@@ -192,7 +192,13 @@ def supervise(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> N
 def serve(path: str, plain: bool) -> None:
     """Preload, then fork a supervisor for every request until the test process goes away."""
     parent = os.getppid()
+    # pyarrow's bundled jemalloc starts a background thread at load; a fork copies its locks but not the
+    # thread, and ranks forked from here crashed (SIGSEGV) now and then. The server must fork single-threaded.
+    os.environ["JE_ARROW_MALLOC_CONF"] = "background_thread:false"
     preload(plain)
+    threads = [(Path("/proc/self/task") / t / "comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    if len(threads) > 1:
+        raise SystemExit(f"warm server: the preloaded libraries started threads {threads}; forking them is unsafe")
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")

@@ -144,3 +144,22 @@ def kineto_markers_dropped() -> Iterator[None]:
             if kept:
                 sys.stderr.write(kept)
                 sys.stderr.flush()
+
+
+def done_line(seconds: float, step: int, eval_loss: float | None, final: str, resumed_step: int | None,
+              resumes: bool, newest_checkpoint: int | None) -> str:
+    """The line every run ends on (rank 0): how long, how good, where the model is, what a rerun does."""
+    import math
+
+    quality = f"eval loss {eval_loss:.4f}, perplexity {math.exp(min(eval_loss, 700)):.2f}" if eval_loss is not None \
+        else "no held-out data"
+    if resumed_step == step:
+        return (f"hftk: the run was already complete at step {step}: nothing left to train ({quality}); "
+                f"the model is in {final} ({seconds:.0f} s)")
+    if not resumes:
+        rerun = "add --resume_from_checkpoint latest to this command to resume it after a stop"
+    elif newest_checkpoint is None:
+        rerun = "no checkpoint was saved: rerunning this command starts over"
+    else:
+        rerun = f"rerunning this command resumes from checkpoint-{newest_checkpoint}"
+    return f"hftk: done: step {step} in {seconds:.0f} s, {quality}; the model is in {final} ({rerun})"

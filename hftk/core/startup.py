@@ -34,6 +34,11 @@ def report() -> dict[str, float]:
     return {**seconds, "total": round(previous - start, 3)}
 
 
+def elapsed() -> float:
+    """Seconds since this process started (the kernel's clock: imports included)."""
+    return time.time() - psutil.Process().create_time()
+
+
 def line(seconds: dict[str, float]) -> str:
     """``hftk: first optimizer step 11.7 s after process start (imports 6.9 s, ...)``."""
     parts = ", ".join(f"{phase.replace('_', ' ')} {s:.1f} s" for phase, s in seconds.items() if phase != "total")

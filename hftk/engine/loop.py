@@ -61,7 +61,7 @@ from hftk.models import lora
 from hftk.models.loading import load_model
 from hftk.publish.hub import RunPusher
 from hftk.telemetry.memory import model_state_bytes
-from hftk.telemetry.metrics import MetricsCallback, SyncCheckCallback, append_jsonl
+from hftk.telemetry.metrics import MetricsCallback, SyncCheckCallback, append_jsonl, logged_eval
 from hftk.telemetry.rank_monitor import (RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops,
                                          flops_per_token, peak_memory_bytes)
 
@@ -521,7 +521,8 @@ def _finish(run: Run, start: float, start_step: int) -> dict[str, float]:
                "train_steps_per_second": round(steps / runtime, 3), "train_loss": run.total_loss / max(steps, 1)}
     _log(run, dict(metrics))
     run.control = run.handler.on_train_end(run.args, state, run.control)
-    evaluated = any("eval_loss" in h and h["step"] == state.global_step for h in state.log_history)
+    evaluated = logged_eval(state.log_history, state.global_step)
+    metrics.update(evaluated)
     if run.eval_set is not None and not evaluated:
         metrics.update(_evaluate_unless_preempted(run))
         if run.exit_code is not None:

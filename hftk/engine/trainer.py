@@ -29,7 +29,7 @@ from hftk.models import lora
 from hftk.models.loading import load_model, load_tokenizer
 from hftk.publish.hub import run_pusher
 from hftk.telemetry.memory import ModelStateCallback
-from hftk.telemetry.metrics import MetricsCallback, SyncCheckCallback
+from hftk.telemetry.metrics import MetricsCallback, SyncCheckCallback, logged_eval
 from hftk.telemetry.rank_monitor import (RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops,
                                          flops_per_token)
 
@@ -208,9 +208,8 @@ def train(prepared: PreparedRun) -> dict[str, float]:
         load_from = strategy.resume_folder(resume) if hasattr(strategy, "resume_folder") else resume
         metrics = dict(guarded(trainer, lambda: trainer.train(resume_from_checkpoint=load_from)).metrics)
         step = trainer.state.global_step
-        if data.eval is not None and not any("eval_loss" in h and h.get("step") == step
-                                             for h in trainer.state.log_history):
-            metrics.update(guarded(trainer, trainer.evaluate))  # the Trainer did not evaluate the final weights
+        if data.eval is not None:  # the final weights' evaluation: logged at the last step, else run now
+            metrics.update(logged_eval(trainer.state.log_history, step) or guarded(trainer, trainer.evaluate))
     with staged_folder(cfg.output_dir / FINAL_DIR, publisher=trainer.args.should_save) as final:
         if lora.is_peft(trainer.model):
             lora.save_final(trainer, final)  # the adapter, gathered from whatever shards it

@@ -7,6 +7,7 @@ one line on stderr and exit code 2, and nothing on disk is touched.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from hftk.config import strategy_table
 from hftk.config.options import RunConfig, is_main_process, load_config
@@ -77,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     startup.mark("prepare")
     output.announce_cpu(is_main_process())
     engine = strategy_table.spec(prepared.cfg.strategy.strategy).engine
+    resumed_step = _resume_step(prepared.cfg.output_dir, prepared.cfg.training.get("resume_from_checkpoint"))
+    if resumed_step is not None and _already_complete(prepared.cfg, resumed_step):
+        if is_main_process():  # the Trainer would train one step past max_steps; a rerun trains nothing
+            print(_done(prepared.cfg, resumed_step), file=sys.stderr, flush=True)
+        return exit_without_teardown(0) if prepared.world_size > 1 else 0
     try:
         importlib.import_module(f"hftk.engine.{engine}").train(prepared)
     except HftkError as exc:
@@ -87,9 +93,54 @@ def main(argv: list[str] | None = None) -> int:
         code = stop.code if isinstance(stop.code, int) else 1
     else:
         code = 0
+        if is_main_process():
+            print(_done(prepared.cfg, resumed_step), file=sys.stderr, flush=True)
     if prepared.world_size > 1:
         exit_without_teardown(code)  # the launcher must see this code, not a teardown abort's
     return code
+
+
+def _resume_step(output_dir: Path, value: str | None) -> int | None:
+    """The step a ``--resume_from_checkpoint value`` launch resumes from (None: from scratch)."""
+    from hftk.checkpoint.atomic import CHECKPOINT_RE, resolve_resume
+
+    resume = resolve_resume(output_dir, value)
+    match = CHECKPOINT_RE.match(Path(resume).name) if resume else None
+    return int(match.group(1)) if match else None
+
+
+def _already_complete(cfg: RunConfig, step: int) -> bool:
+    """``checkpoint-step`` ends the run this config asks for (same step budget) and ``final/`` holds that step."""
+    import json
+
+    from hftk.checkpoint.atomic import is_complete
+    from hftk.checkpoint.run_record import RUN_FILE
+    from hftk.engine.trainer import FINAL_DIR
+
+    state = json.loads((cfg.output_dir / f"checkpoint-{step}" / "trainer_state.json").read_text())
+    if cfg.args.max_steps > 0:
+        target = cfg.args.max_steps
+    elif cfg.args.num_train_epochs == state.get("num_train_epochs"):
+        target = state.get("max_steps", step + 1)
+    else:
+        return False
+    final = cfg.output_dir / FINAL_DIR
+    return step >= target and is_complete(final) and \
+        json.loads((final / RUN_FILE).read_text()).get("global_step") == step
+
+
+def _done(cfg: RunConfig, resumed_step: int | None) -> str:
+    """The run's last line, from what ``final/``'s run record says."""
+    import json
+
+    from hftk.checkpoint.run_record import RUN_FILE
+    from hftk.engine.trainer import FINAL_DIR
+
+    final = cfg.output_dir / FINAL_DIR
+    record = json.loads((final / RUN_FILE).read_text())
+    return output.done_line(startup.elapsed(), record["global_step"], record["metrics"].get("eval_loss"), str(final),
+                            resumed_step, cfg.training.get("resume_from_checkpoint") == "latest",
+                            _resume_step(cfg.output_dir, "latest"))
 
 
 def exit_without_teardown(code: int) -> None:

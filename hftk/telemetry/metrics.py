@@ -129,3 +129,10 @@ class SyncCheckCallback(TrainerCallback):
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def logged_eval(log_history: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """The evaluation logged at ``step`` (its ``eval_*`` values), empty if there was none: the engines take
+    the final weights' evaluation from here instead of evaluating them twice."""
+    logged = [h for h in log_history if "eval_loss" in h and h.get("step") == step]
+    return {k: v for k, v in logged[-1].items() if k.startswith("eval_")} if logged else {}

@@ -27,6 +27,21 @@ def test_default_ddp_run_prints_only_hftk_progress_metrics_and_lines(tmp_path):
     assert cpu_lines == (0 if torch.cuda.is_available() else 1), result.stdout
     assert f"Run data is saved locally in {out}" in result.output  # wandb says once where it writes
     assert (out / "final" / "model.safetensors").exists()
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"hftk: done: step 3 in \d+ s, eval loss [\d.]+, perplexity [\d.]+; the model is in "
+                        rf"{re.escape(str(out / 'final'))} \(add --resume_from_checkpoint latest .*\)", last), last
+
+
+def test_a_rerun_of_a_finished_run_says_it_was_already_complete(tmp_path):
+    """The README's main command resumes: run twice, the second launch trains nothing and says so."""
+    args = ["--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--resume_from_checkpoint", "latest",
+            "--output_dir", str(tmp_path / "run")]
+    first, again = finetune(1, args), finetune(1, args)
+    assert first.returncode == again.returncode == 0, (first.output[-3000:], again.output[-3000:])
+    assert first.stderr.strip().splitlines()[-1].startswith("hftk: done: step 2 in "), first.stderr[-2000:]
+    assert "(rerunning this command resumes from checkpoint-2)" in first.stderr
+    last = again.stderr.strip().splitlines()[-1]
+    assert last.startswith("hftk: the run was already complete at step 2: nothing left to train (eval loss "), last
 
 
 QUIET_CHECK = r"""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 
 import pytest
@@ -22,6 +23,10 @@ def test_readme_main_command_trains_two_ranks(tmp_path):
     # the profiled steps (3 and every 50th) leave no libkineto marker lines between the progress updates
     assert "profiler_start" not in result.output and "profiler_stop" not in result.output
     assert not noise_in(result.output), noise_in(result.output)  # nor the libraries' notices (hftk.core.output)
+    last = result.stderr.strip().splitlines()[-1]  # what was made, and what a rerun does
+    assert re.match(r"hftk: done: step \d+ in \d+ s, eval loss [\d.]+, perplexity [\d.]+; the model is in "
+                    rf"{re.escape(str(tmp_path / 'default' / 'final'))} \(rerunning this command resumes from "
+                    r"checkpoint-\d+\)$", last), last
     out = tmp_path / "default"
     logged = metrics(out)
     train_losses = [m["loss"] for m in logged if "loss" in m]
