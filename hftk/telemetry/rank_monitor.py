@@ -9,7 +9,8 @@ Why imbalance is judged on *compute* time and not on step time: in synchronous d
 every rank waits for the slowest one at the gradient all-reduce (and at the Trainer's token
 count all-reduce), so wall-clock step times come out equal on all ranks however unbalanced
 the work is. What differs is each rank's compute time: from its forward start to its last
-gradient, summed over the micro-batches of the step.
+gradient, summed over the micro-batches of the step. The first step a process runs is left out of
+it: its one-time work (allocator growth, lazy init, DDP's bucket rebuild) is uneven across balanced ranks.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class Window:
     segments: list[tuple[Any, Any]] = field(default_factory=list)  # (forward start, last gradient) marks
     computed_steps: int = 0
     comm_share: float = math.nan
+    excluded_steps: int = 0  # the process's first step: its compute is one-time work, not the rank's pace
 
 
 @dataclass
@@ -164,6 +166,8 @@ class RankMonitor:
     _peak_resettable: bool = True
     _windows_peak: int = 0  # the highest peak of the collected windows (collect resets the counter)
     _warned_unmeasured: bool = False
+    _first_step_seen: bool = False
+    _step_segments_from: int = 0  # where this step's segments start in the window
 
     def attach(self, model: torch.nn.Module) -> None:
         """Hooks timing each rank's compute: forward start, and every trainable parameter's gradient."""
@@ -211,6 +215,7 @@ class RankMonitor:
     def step_begin(self, step: int) -> None:
         """``step``: 1-based number of the optimizer step about to run."""
         self._step_computed = False
+        self._step_segments_from = len(self.window.segments)
         if self.profile_every > 0 and (step == 3 or step % self.profile_every == 0):
             self._sync()
             cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
@@ -228,7 +233,14 @@ class RankMonitor:
         w.steps += 1
         w.wall += now[0] - self._last_end[0]  # end to end: data loading and waits count too
         w.cpu += now[1] - self._last_end[1]
-        w.computed_steps += int(self._step_computed)
+        if not self._first_step_seen:
+            # The first step this process runs (step 1, or the first after a resume) pays one-time work --
+            # allocator growth, lazy init, DDP's bucket rebuild -- unevenly across ranks: no imbalance verdict.
+            self._first_step_seen = True
+            del w.segments[self._step_segments_from:]
+            w.excluded_steps += 1
+        else:
+            w.computed_steps += int(self._step_computed)
         if self._profiler is not None:
             self._sync()
             self._profiled = (self._profiler, time.perf_counter() - self._begin[0])
@@ -259,7 +271,8 @@ class RankMonitor:
         """This rank's window, in the order of :data:`FIELDS` (NaN where not measured)."""
         w = self.window
         steps = max(w.steps, 1)
-        compute = self._compute_seconds() / w.steps if w.computed_steps == w.steps and w.steps else math.nan
+        measured = w.steps - w.excluded_steps
+        compute = self._compute_seconds() / measured if measured and w.computed_steps == measured else math.nan
         tensors = model_state_bytes(model, optimizer)["total"] / MB if model is not None else math.nan
         peak = peak_memory_bytes(self.device)
         self._windows_peak = max(self._windows_peak, peak)
@@ -274,13 +287,14 @@ class RankMonitor:
         on rank 0, None on the other ranks."""
         self._read_profile()
         rows = gather_rows(self.local_stats(model, optimizer), self.device)
+        measured_any = self.window.steps > self.window.excluded_steps
         self.window = Window()
         self._peak_resettable = reset_peak_memory(self.device)
         if dist.is_initialized() and dist.get_rank() != 0:
             return None
         summary = summarize(rows, self.imbalance_threshold, "gpu_allocated" if self.device.type == "cuda" else
                             ("rss_hwm" if self._peak_resettable else "rss_hwm_lifetime"))
-        if summary.unmeasured and self._hooks and not self._warned_unmeasured:
+        if summary.unmeasured and measured_any and self._hooks and not self._warned_unmeasured:
             self._warned_unmeasured = True  # hooks attached, yet no gradient reached them
             logger.warning("rank imbalance not measured: this strategy sets gradients without autograd "
                            "accumulating them, so the compute-timing hooks never fire; only wall-clock step "

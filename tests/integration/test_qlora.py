@@ -176,3 +176,6 @@ def test_merged_export_is_the_dequantized_base_plus_adapter(runs, tmp_path):
         assert export_main([str(runs / "ddp-gpt2-4bit" / folder), str(tmp_path / folder), "--merge"]) == 0
         merged[folder] = AutoModelForCausalLM.from_pretrained(tmp_path / folder).state_dict()
     assert all(torch.equal(merged["final"][k], merged[f"checkpoint-{STEPS}"][k]) for k in merged["final"])
+    checkpoint_model = AutoModelForCausalLM.from_pretrained(tmp_path / f"checkpoint-{STEPS}")  # the training-time model
+    assert tiny_eval_loss(checkpoint_model, tmp_path, EVAL_BLOCKS) == pytest.approx(
+        final_eval_loss(runs / "ddp-gpt2-4bit"), abs=1e-4)
