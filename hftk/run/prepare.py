@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     startup.mark("prepare")
     output.announce_cpu(is_main_process())
     engine = strategy_table.spec(prepared.cfg.strategy.strategy).engine
-    resumed_step = _resume_step(prepared.cfg.output_dir, prepared.cfg.training.get("resume_from_checkpoint"))
-    if resumed_step is not None and _already_complete(prepared.cfg, resumed_step):
+    resume = _resume_checkpoint(prepared.cfg.output_dir, prepared.cfg.training.get("resume_from_checkpoint"))
+    resumed_step = _checkpoint_step(resume)
+    if resumed_step is not None and _already_complete(prepared.cfg, resume, resumed_step):
         if is_main_process():  # the Trainer would train one step past max_steps; a rerun trains nothing
             print(_done(prepared.cfg, resumed_step), file=sys.stderr, flush=True)
         return exit_without_teardown(0) if prepared.world_size > 1 else 0
@@ -100,33 +101,41 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _resume_step(output_dir: Path, value: str | None) -> int | None:
-    """The step a ``--resume_from_checkpoint value`` launch resumes from (None: from scratch)."""
-    from hftk.checkpoint.atomic import CHECKPOINT_RE, resolve_resume
+def _resume_checkpoint(output_dir: Path, value: str | None) -> Path | None:
+    """The checkpoint a ``--resume_from_checkpoint value`` launch resumes from (None: from scratch)."""
+    from hftk.checkpoint.atomic import resolve_resume
 
     resume = resolve_resume(output_dir, value)
-    match = CHECKPOINT_RE.match(Path(resume).name) if resume else None
+    return Path(resume) if resume else None
+
+
+def _checkpoint_step(checkpoint: Path | None) -> int | None:
+    from hftk.checkpoint.atomic import CHECKPOINT_RE
+
+    match = CHECKPOINT_RE.match(checkpoint.name) if checkpoint else None
     return int(match.group(1)) if match else None
 
 
-def _already_complete(cfg: RunConfig, step: int) -> bool:
-    """``checkpoint-step`` ends the run this config asks for (same step budget) and ``final/`` holds that step."""
+def _already_complete(cfg: RunConfig, checkpoint: Path, step: int) -> bool:
+    """``checkpoint`` (possibly another run's folder) ends the run this config asks for (same step budget)
+    and this run's ``final/`` holds that step."""
     import json
 
     from hftk.checkpoint.atomic import is_complete
     from hftk.checkpoint.run_record import RUN_FILE
     from hftk.engine.trainer import FINAL_DIR
 
-    state = json.loads((cfg.output_dir / f"checkpoint-{step}" / "trainer_state.json").read_text())
+    final = cfg.output_dir / FINAL_DIR
+    if not (is_complete(final) and (checkpoint / "trainer_state.json").is_file()):
+        return False
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
     if cfg.args.max_steps > 0:
         target = cfg.args.max_steps
     elif cfg.args.num_train_epochs == state.get("num_train_epochs"):
         target = state.get("max_steps", step + 1)
     else:
         return False
-    final = cfg.output_dir / FINAL_DIR
-    return step >= target and is_complete(final) and \
-        json.loads((final / RUN_FILE).read_text()).get("global_step") == step
+    return step >= target and json.loads((final / RUN_FILE).read_text()).get("global_step") == step
 
 
 def _done(cfg: RunConfig, resumed_step: int | None) -> str:
@@ -140,7 +149,7 @@ def _done(cfg: RunConfig, resumed_step: int | None) -> str:
     record = json.loads((final / RUN_FILE).read_text())
     return output.done_line(startup.elapsed(), record["global_step"], record["metrics"].get("eval_loss"), str(final),
                             resumed_step, cfg.training.get("resume_from_checkpoint") == "latest",
-                            _resume_step(cfg.output_dir, "latest"))
+                            _checkpoint_step(_resume_checkpoint(cfg.output_dir, "latest")))
 
 
 def exit_without_teardown(code: int) -> None:
