@@ -134,8 +134,10 @@ class DataConfig:
                            "assistant turn, tool turns the template cannot render): 'error' names the first one and "
                            "stops, 'drop' skips them and prints how many.", choices=["error", "drop"])
     truncation: str = _opt(
-        "drop", "Conversations longer than block_size: 'drop' them (counted in a summary line) or 'truncate' them "
-        "(only the assistant turns that end inside the block keep their labels).", choices=["drop", "truncate"])
+        "drop", "Conversations and prompt/completion pairs longer than block_size (under packing bfd or none): 'drop' "
+        "them (counted in a summary line) or 'truncate' them to the block (conversations: only the assistant turns "
+        "that end inside it keep their labels; pairs: the completion is cut, and a pair whose prompt fills the block "
+        "is dropped, never trained with no completion token).", choices=["drop", "truncate"])
     tokenized_path: str | None = _opt(
         None, "Folder of blocks written by `hftk preprocess` (tokenised, templated, masked, packed once): training "
         "reads it on every rank with no tokenisation; one made with another tokenizer, template, block size, format or "

@@ -355,12 +355,11 @@ def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> t
         n = len(ds)
         ds = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=cfg.preprocessing_num_workers,
                     desc="tokenize")
-        if fmt == "messages":
+        if fmt in TRUNCATED_UNITS:
             dropped, truncated = n - len(ds), sum(ds["truncated"]) if len(ds) else 0
             if (dropped or truncated) and is_main_process():
-                what = f"dropped {dropped}" if cfg.truncation == "drop" else f"truncated {truncated}, dropped {dropped}"
-                print(f"hftk: data: {cfg.dataset} [{name}]: {what} of {n} conversations longer than block_size "
-                      f"{cfg.block_size} (data.truncation={cfg.truncation})", flush=True)
+                print(f"hftk: data: {cfg.dataset} [{name}]: {truncation_summary(cfg.truncation, fmt, n, truncated, dropped)}"
+                      f" longer than block_size {cfg.block_size} (data.truncation={cfg.truncation})", flush=True)
             if not len(ds):
                 return ds  # every row dropped: a map with no output rows keeps no columns either
             ds = ds.remove_columns("truncated")
@@ -369,10 +368,24 @@ def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> t
     train_blocks = prepare(train, cfg.train_split)
     if len(train_blocks) == 0:
         raise HftkError("data.block_size", f"the training text of {cfg.dataset} is shorter than one block of "
-                        f"{cfg.block_size} tokens (or every conversation is longer).",
+                        f"{cfg.block_size} tokens (or every conversation or prompt/completion pair is longer).",
                         "lower data.block_size, add data, or pass --truncation truncate.")
     eval_blocks = prepare(evals, "eval") if evals is not None else None
     return train_blocks, (eval_blocks if eval_blocks is not None and len(eval_blocks) else None)
+
+
+TRUNCATED_UNITS = {"messages": "conversations", "prompt_completion": "prompt/completion pairs"}
+
+
+def truncation_summary(mode: str, fmt: str, rows: int, truncated: int, dropped: int) -> str:
+    """What ``data.truncation`` did to a split's rows longer than a block, for the summary line."""
+    unit = TRUNCATED_UNITS[fmt]
+    if mode == "drop":
+        return f"dropped {dropped} of {rows} {unit}"
+    if fmt == "messages":
+        return f"truncated {truncated}, dropped {dropped} of {rows} {unit}"
+    return (f"truncated {truncated} (their completions cut short, without EOS), dropped {dropped} (prompt fills the "
+            f"block: no completion token left) of {rows} {unit}")
 
 
 def check_holdouts(sources: list[Source]) -> None:
@@ -463,11 +476,19 @@ def encode_batch(batch: dict[str, list], tokenizer: Any, cfg: DataConfig, fmt: s
         return {"input_ids": ids, "labels": [list(x) for x in ids]}
     prompts = tokenizer(batch[cfg.prompt_field], add_special_tokens=False)["input_ids"]
     completions = tokenizer(batch[cfg.completion_field], add_special_tokens=False)["input_ids"]
-    input_ids, labels = [], []
+    out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": []}
     for p, c in zip(prompts, completions):
-        input_ids.append(bos + p + c + eos)
-        labels.append([IGNORE_INDEX] * (len(bos) + len(p)) + c + eos)
-    return {"input_ids": input_ids, "labels": labels}
+        ids, labels = bos + p + c + eos, [IGNORE_INDEX] * (len(bos) + len(p)) + c + eos
+        # concat packing splits a long pair across blocks; bfd and none would cut it at block_size
+        long = cfg.packing != "concat" and len(ids) > cfg.block_size
+        if long:
+            if cfg.truncation == "drop" or len(bos) + len(p) >= cfg.block_size:
+                continue  # dropped, or a prompt that fills the block: no completion token left to train on
+            ids, labels = ids[:cfg.block_size], labels[:cfg.block_size]
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["truncated"].append(long)
+    return out
 
 
 def _encode_conversations(conversations: list, tokenizer: Any, cfg: DataConfig, template: str) -> dict[str, list]:

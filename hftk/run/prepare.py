@@ -132,7 +132,7 @@ def _already_complete(cfg: RunConfig, checkpoint: Path, step: int) -> bool:
     if cfg.args.max_steps > 0:
         target = cfg.args.max_steps
     elif cfg.args.num_train_epochs == state.get("num_train_epochs"):
-        target = state.get("max_steps", step + 1)
+        target = state["max_steps"]  # trainer_state.json always holds it
     else:
         return False
     return step >= target and json.loads((final / RUN_FILE).read_text()).get("global_step") == step

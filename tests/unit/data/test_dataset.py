@@ -328,6 +328,36 @@ def test_prompt_tokens_are_masked_exactly(tmp_path, tokenizer):
     assert batch["attention_mask"][0].tolist() == [1] * (n_p + n_c) + [0] * (64 - n_p - n_c)
 
 
+@pytest.mark.parametrize("packing", ["none", "bfd"])
+@pytest.mark.parametrize("mode", ["drop", "truncate"])
+def test_long_prompt_completion_pairs_are_dropped_or_cut_with_a_summary(tmp_path, capsys, tokenizer, mode, packing):
+    """A pair longer than block_size is dropped (counted) or cut to the block with the summary saying its completion
+    lost its end; a pair whose prompt alone fills the block is never trained with no completion token."""
+    fits = {"prompt": "Who made the heaven?", "completion": " God."}
+    long = {"prompt": "Who made the heaven?", "completion": " God made it" + " and it was good" * 20}
+    prompt_only = {"prompt": "Tell me " * 40, "completion": " No."}
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [fits, long, prompt_only]))
+    cfg = DataConfig(dataset=str(tmp_path / "pc.jsonl"), block_size=32, packing=packing, eval_fraction=0,
+                     truncation=mode)
+    raw = load_raw(cfg)
+    train = tokenize_and_pack(cfg, raw, tokenizer, check_raw(cfg, raw), seed=0).train
+    summary = [line for line in capsys.readouterr().out.splitlines() if "longer than block_size 32" in line]
+    assert len(summary) == 1, summary
+    labels = [lab for row in train for lab in row["labels"].tolist() if lab != IGNORE_INDEX]
+    fits_labels = tokenizer(fits["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if mode == "drop":
+        assert "dropped 2 of 3 prompt/completion pairs" in summary[0]
+        assert labels == fits_labels
+        return
+    assert "truncated 1 (their completions cut short, without EOS), dropped 1 (prompt fills the block" in summary[0]
+    assert "of 3 prompt/completion pairs" in summary[0]
+    prompt_len = len(tokenizer(long["prompt"], add_special_tokens=False)["input_ids"])
+    cut = tokenizer(long["completion"], add_special_tokens=False)["input_ids"][:32 - prompt_len]
+    assert sorted(labels) == sorted(fits_labels + cut)  # the long pair's completion up to the block, no EOS
+    assert labels.count(tokenizer.eos_token_id) == 1
+    assert all(len(row["input_ids"]) <= 32 for row in train)
+
+
 def test_packing_makes_full_blocks_and_holds_out_eval(tokenizer):
     cfg = DataConfig(block_size=32, packing="concat", max_train_samples=400, eval_fraction=0.1)
     raw = load_raw(cfg)
