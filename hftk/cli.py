@@ -24,6 +24,8 @@ COMMANDS = {
              "hftk.plan.estimate:plan_command"),
     "export": ("Turn any strategy's checkpoint into a standard HF folder (safetensors, config, tokenizer).",
                "hftk.publish.export:main"),
+    "generate": ("Generate from any checkpoint (final, checkpoint-N of any strategy, LoRA / QLoRA adapter); streams tokens.",
+                 "hftk.publish.generate:main"),
     "bench": ("Measure scaling, memory, communication, pipeline, batch size and overhead; one report folder.",
               "hftk.bench.cli:bench_command"),
 }

@@ -60,16 +60,20 @@ def write_atomically(out: Path, write: Callable[[Path], T]) -> T:
     return result
 
 
-def model_from(config: Any, state: dict[str, torch.Tensor], source: Path) -> torch.nn.Module:
+def model_from(config: Any, state: dict[str, torch.Tensor], source: Path, runnable: bool = False) -> torch.nn.Module:
     """``config``'s architecture (the family's own class) holding ``state`` read from ``source``; built on
-    the meta device (no random init), tied weights re-tied."""
+    the meta device (no random init), tied weights re-tied. ``runnable``: built on the CPU instead (random
+    init skipped by transformers' ``no_init_weights``), so non-persistent buffers such as RoPE's ``inv_freq``,
+    which no checkpoint holds, are real and the model can run forward (``hftk generate``)."""
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
-    with torch.device("meta"):
+    with no_init_weights() if runnable else torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
-    still_missing = [name for name, p in model.named_parameters() if p.is_meta]
+    loaded = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in state}
+    still_missing = [name for name, p in model.named_parameters(remove_duplicate=False) if id(p) not in loaded]
     if unexpected or still_missing:
         raise HftkError("CHECKPOINT", f"'{source}' does not match its config.json: missing "
                         f"{still_missing[:5]}, unexpected {unexpected[:5]}.",

@@ -1,0 +1,125 @@
+"""``hftk generate``: see what a checkpoint says, without exporting it first.
+
+Any folder ``hftk export`` reads (a final folder, a checkpoint-N of any strategy, a LoRA / QLoRA adapter)
+is loaded through the same readers (:func:`hftk.publish.export.detect`, :func:`hftk.models.lora.merged_model`)
+and handed to transformers' own ``generate`` with a ``GenerationConfig``; tokens stream through ``TextStreamer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hftk.core.errors import HftkError
+from hftk.models import lora
+
+
+def load(checkpoint: Path) -> tuple[Any, Any]:
+    """(model in eval mode, tokenizer) from any checkpoint folder hftk can export."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from hftk.checkpoint.hf_folder import model_from
+    from hftk.publish.export import detect
+
+    checkpoint = Path(checkpoint)
+    if not checkpoint.exists():
+        raise HftkError("CHECKPOINT", f"'{checkpoint}' does not exist.", "pass a final or checkpoint-N folder of a run.")
+    if lora.is_adapter_folder(checkpoint):
+        model = lora.merged_model(checkpoint, None)
+    else:
+        kind = detect(checkpoint)
+        if not (checkpoint / "config.json").is_file():
+            raise HftkError("CHECKPOINT", f"'{checkpoint}' has no config.json: the model cannot be rebuilt.",
+                            "pass a checkpoint written by the Trainer (it saves the config beside the weights).")
+        model = model_from(AutoConfig.from_pretrained(checkpoint), kind.state_dict(checkpoint), checkpoint,
+                           runnable=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    except (OSError, ValueError) as exc:
+        raise HftkError("CHECKPOINT", f"'{checkpoint}' has no loadable tokenizer ({str(exc).splitlines()[0]}).",
+                        "copy the run's tokenizer files into the checkpoint folder.") from None
+    return model.eval(), tokenizer
+
+
+def read_prompts(path: Path) -> list[str | list[dict[str, str]]]:
+    """Rows of a JSONL file: each a ``prompt`` string or a ``messages`` list; a bad row is one error line."""
+    if not Path(path).is_file():
+        raise HftkError("--prompts", f"'{path}' is not a file.", "pass a JSONL file of {\"prompt\": ...} rows.")
+    prompts: list[str | list[dict[str, str]]] = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            prompts.append(row["prompt"])
+        elif isinstance(row, dict) and isinstance(row.get("messages"), list):
+            prompts.append(row["messages"])
+        else:
+            raise HftkError("--prompts", f"row {number} of '{path}' is not a {{\"prompt\": str}} or "
+                            "{\"messages\": [...]} JSON object.", "fix or remove that row.")
+    if not prompts:
+        raise HftkError("--prompts", f"'{path}' holds no rows.", "add one {\"prompt\": ...} row per line.")
+    return prompts
+
+
+def input_ids(tokenizer: Any, prompt: str | list[dict[str, str]]) -> torch.Tensor:
+    """A prompt's ids: plain text as is, a message list through the saved chat template."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt, return_tensors="pt").input_ids
+    if not tokenizer.chat_template:
+        raise HftkError("--prompts", "a messages row needs a chat template, and this checkpoint's tokenizer has none.",
+                        "use {\"prompt\": ...} rows, or a checkpoint of a chat run.")
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+
+
+def generate(model: Any, tokenizer: Any, prompt: str | list[dict[str, str]], config: Any,
+             stream: bool = False) -> torch.Tensor:
+    """The new token ids for one prompt (greedy unless ``config`` samples); streamed to stdout if asked."""
+    from transformers import TextStreamer
+
+    ids = input_ids(tokenizer, prompt)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=streamer)
+    return out[0, ids.shape[1]:]
+
+
+def main(argv: list[str]) -> int:
+    """``hftk generate CHECKPOINT (--prompt TEXT | --prompts FILE) [GenerationConfig options]``."""
+    from transformers import GenerationConfig
+
+    parser = argparse.ArgumentParser(
+        prog="hftk generate",
+        description="Generate from any checkpoint hftk writes (final, checkpoint-N of any strategy, LoRA / QLoRA "
+        "adapter) without exporting first; greedy unless --do_sample; tokens stream as they come.")
+    parser.add_argument("checkpoint", type=Path, help="a final or checkpoint-N folder (or an adapter folder)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt, as plain text")
+    source.add_argument("--prompts", type=Path, help="JSONL file: {\"prompt\": str} or {\"messages\": [...]} rows")
+    parser.add_argument("--max_new_tokens", type=int, default=64, help="most new tokens per prompt")
+    parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do_sample)")
+    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (with --do_sample)")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise HftkError("--max_new_tokens", f"must be at least 1, got {args.max_new_tokens}.", "pass 1 or more.")
+    prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
+    model, tokenizer = load(args.checkpoint)
+    config = GenerationConfig.from_model_config(model.config) if model.generation_config is None \
+        else GenerationConfig(**model.generation_config.to_dict())
+    config.update(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                  temperature=args.temperature if args.do_sample else None,
+                  top_p=args.top_p if args.do_sample else None)
+    if config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else config.eos_token_id
+    for prompt in prompts:
+        generate(model, tokenizer, prompt, config, stream=True)
+    return 0
