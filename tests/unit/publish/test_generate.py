@@ -99,3 +99,27 @@ def test_bad_input_is_one_line_exit_2(llama, tmp_path, capsys):
         assert main(["generate", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], err
+
+
+def test_messages_rows_use_the_saved_chat_template(llama, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path / "chat"
+    shutil.copytree(llama, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tokenizer.save_pretrained(folder)
+    messages = [{"role": "user", "content": "the cat sat on"}]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = AutoModelForCausalLM.from_pretrained(folder).eval().generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+            pad_token_id=tokenizer.eos_token_id)
+    expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    capsys.readouterr()
+    assert main(["generate", str(folder), "--prompts", str(tmp_path / "p.jsonl"), "--max_new_tokens", "12"]) == 0
+    got = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("[INFO] Running in WANDB")]
+    assert "\n".join(got).strip() == expected.strip()
