@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from hftk.checkpoint.atomic import COMPLETE_MARKER, seal
-from hftk.config.options import SECTIONS, load_config
+from hftk.config.options import SECTIONS, YAML_ALIASES, load_config
 from hftk.core.errors import HftkError
 from hftk.run.validate import check_world_change
 from tests.helpers import TINY_ARGS
@@ -120,7 +120,7 @@ def numeric_cases() -> list[Case]:
             expect = "accept" if (name, label) in ACCEPTED else "refuse"
             cases.append(Case(f"{name}-{label}", [*context, f"--{name}", value], expect=expect, names=name,
                               world=world))
-        cases.append(Case(f"{name}-yaml-type", context, yaml={section: {name: "abc"}}, names=name, world=world))
+        cases.append(Case(f"{name}-yaml-type", context, yaml={YAML_ALIASES.get(section, section): {name: "abc"}}, names=name, world=world))
     return cases
 
 
@@ -130,7 +130,7 @@ def choice_cases() -> list[Case]:
         for f in dataclasses.fields(cls):
             if "choices" in f.metadata:
                 cases.append(Case(f"{f.name}-unknown", [f"--{f.name}", "nope"], names=f.name))
-                cases.append(Case(f"{f.name}-yaml-unknown", yaml={section: {f.name: "nope"}}, names=f.name))
+                cases.append(Case(f"{f.name}-yaml-unknown", yaml={YAML_ALIASES.get(section, section): {f.name: "nope"}}, names=f.name))
     for name in ("lr_scheduler_type", "optim", "eval_strategy", "save_strategy", "report_to"):
         cases.append(Case(f"{name}-unknown", [f"--{name}", "nope"], names=name))
         cases.append(Case(f"{name}-yaml-unknown", yaml={"training": {name: "nope"}}, names=name))
