@@ -212,8 +212,36 @@ class ResilienceConfig:
         "stop", "On a NaN/Inf loss: 'skip' the step, or 'stop' with a checkpoint.", choices=["skip", "stop"])
 
 
+# TRL 1.16's DPOConfig loss types (trl/trainer/dpo_config.py); tests/unit/config/test_options.py reads them back.
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+                  "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+
+
+@dataclass
+class PreferenceConfig:
+    """Preference tuning (TRL's DPOTrainer); the YAML keeps these under ``training:`` (``training.method``)."""
+
+    method: str = _opt("sft", "Training objective: sft (supervised fine-tuning on text / conversations) or dpo "
+                       "(Direct Preference Optimization on prompt / chosen / rejected pairs, TRL's DPOTrainer).",
+                       choices=["sft", "dpo"])
+    beta: float = _opt(0.1, "DPO: how far the policy may move from the reference (higher: closer); for loss_type "
+                       "ipo the regulariser tau.")
+    loss_type: str = _opt("sigmoid", "DPO: the pairwise loss, one of TRL's: " + ", ".join(DPO_LOSS_TYPES) + ".",
+                          choices=list(DPO_LOSS_TYPES))
+    max_length: int | None = _opt(None, "DPO: most tokens of prompt + completion; longer pairs are truncated "
+                                  "(keep_start, TRL's truncation). Default: data.block_size.")
+    precompute_ref_log_probs: bool = _opt(False, "DPO: compute the reference model's log-probs over the data once "
+                                          "before training, so no reference model is held while training.")
+    ref_model_name_or_path: str | None = _opt(
+        None, "DPO: the reference model (Hub id or folder); default the starting model. With LoRA the reference "
+        "is the base with the adapter disabled (no second copy), so it must be unset.")
+
+
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "strategy": StrategyConfig,
-                             "tracking": TrackingConfig, "hub": HubConfig, "resilience": ResilienceConfig}
+                             "tracking": TrackingConfig, "hub": HubConfig, "resilience": ResilienceConfig,
+                             "preference": PreferenceConfig}
+# YAML sections whose options live in another section's dataclass: ``training.method`` as users know it.
+YAML_ALIASES: dict[str, str] = {"preference": "training"}
 
 # hftk's defaults for TrainingArguments fields, where the HF default does not suit fine-tuning here.
 TRAINING_DEFAULTS: dict[str, Any] = dict(
@@ -235,6 +263,7 @@ class RunConfig:
     tracking: TrackingConfig
     hub: HubConfig
     resilience: ResilienceConfig
+    preference: PreferenceConfig
     training: dict[str, Any]
     # Training options the user set (command line or YAML), even to TrainingArguments' own default,
     # which ``training`` leaves out: an engine whose choice differs from that default reads it here.
@@ -254,8 +283,9 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML form of this config (what ``--config`` accepts)."""
-        sections = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
-        return {**sections, "training": dict(self.training)}
+        sections = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS if name not in YAML_ALIASES}
+        training = {**dataclasses.asdict(self.preference), **self.training}
+        return {**sections, "training": training}
 
 
 def _training_fields() -> dict[str, dataclasses.Field]:
@@ -295,8 +325,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
 
 def _flatten_yaml(data: dict[str, Any]) -> dict[str, Any]:
     """Check every key belongs to its section and return one flat option dict."""
-    known = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
-    known["training"] = set(_training_fields())
+    known = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items() if name not in YAML_ALIASES}
+    known["training"] = set(_training_fields()).union(
+        *({f.name for f in dataclasses.fields(SECTIONS[name])} for name in YAML_ALIASES))
     flat: dict[str, Any] = {}
     for section, values in data.items():
         if section not in known:

@@ -36,8 +36,9 @@ from hftk.telemetry.rank_monitor import (RankMonitor, RankMonitorCallback, compu
 FINAL_DIR = "final"
 
 
-def build_training_arguments(prepared: PreparedRun, extra: dict[str, Any]) -> Any:
-    """``TrainingArguments`` from the validated config; starts the process group."""
+def build_training_arguments(prepared: PreparedRun, extra: dict[str, Any], arguments_class: Any = None) -> Any:
+    """``TrainingArguments`` (or a subclass: TRL's ``DPOConfig``) from the validated config; starts the
+    process group."""
     from transformers import TrainingArguments
 
     cfg = prepared.cfg
@@ -57,7 +58,7 @@ def build_training_arguments(prepared: PreparedRun, extra: dict[str, Any]) -> An
     configure_wandb(cfg, kwargs.get("report_to"))
     if kwargs["use_cpu"] and not kwargs.get("deepspeed"):  # DeepSpeed starts its own (strategies/deepspeed.py)
         _start_cpu_state(kwargs.get("ddp_backend"), int(cfg.args.ddp_timeout))
-    return TrainingArguments(**kwargs)
+    return (arguments_class or TrainingArguments)(**kwargs)
 
 
 def _start_cpu_state(backend: str | None, timeout_s: int) -> None:
@@ -191,11 +192,11 @@ def count_flops_once(trainer: Any) -> None:
     trainer.floating_point_ops = lambda inputs: per_token * inputs[main_input].numel() if main_input in inputs else 0
 
 
-def train(prepared: PreparedRun) -> dict[str, float]:
-    """Run the Trainer for a prepared (validated) config, save ``final``, then tear the process group down;
-    returns the final metrics."""
+def train(prepared: PreparedRun, build: Any = None) -> dict[str, float]:
+    """Run the Trainer (``build``: another Trainer's builder, e.g. DPO's) for a prepared (validated) config,
+    save ``final``, then tear the process group down; returns the final metrics."""
     cfg = prepared.cfg
-    trainer, strategy, data = build_trainer(prepared)
+    trainer, strategy, data = (build or build_trainer)(prepared)
     pusher = run_pusher(prepared, trainer, cfg.output_dir / cfg.tracking.metrics_file)
     install_atomic_checkpoints(trainer, after_publish=pusher.checkpoint_published if pusher else None)
     resume = resolve_resume(cfg.output_dir, cfg.training.get("resume_from_checkpoint"))

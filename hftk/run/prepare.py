@@ -9,11 +9,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hftk.config import strategy_table
+from hftk.config import strategy_table, support
 from hftk.config.options import RunConfig, is_main_process, load_config
 from hftk.core import allocator, output, startup
 from hftk.core.errors import HftkError, report
 from hftk.data.dataset import check_holdouts, combined_format, load_sources
+from hftk.data.preference import load_preference_sources
 from hftk.engine.run_types import PreparedRun
 from hftk.launch import configs
 from hftk.models.loading import load_model_config, load_tokenizer, resolve_model_path
@@ -42,6 +43,7 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
     validate.check_model(cfg, model_config)
     if cfg.strategy.strategy == "auto":
         cfg.strategy.strategy = estimate.resolve_auto(cfg, model_config, world_size)
+    support.check_method(cfg.strategy.strategy, cfg.preference.method)  # after auto: the strategy that runs
     strategy_table.get(cfg.strategy.strategy).validate(cfg, world_size)
     if read_tokenized and cfg.data.tokenized_path:
         from hftk.run import preprocess
@@ -49,6 +51,11 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
         tokenized = preprocess.load(cfg, load_tokenizer(cfg.model, cfg.data.chat_template))
         return PreparedRun(cfg=cfg, model_config=model_config, raw=None, data_format=tokenized.data_format,
                            world_size=world_size, tokenized=tokenized)
+    if cfg.preference.method == "dpo":  # TRL's DPOTrainer tokenises the pairs; only the rows are checked here
+        sources = load_preference_sources(cfg.data)
+        resolve_model_path(cfg.model)
+        return PreparedRun(cfg=cfg, model_config=model_config, raw=sources[0].raw, data_format=sources[0].fmt,
+                           world_size=world_size, sources=sources)
     # Conversations need the tokenizer's chat template now (a built-in model is then written early).
     sources = load_sources(cfg.data, lambda: load_tokenizer(cfg.model, cfg.data.chat_template))
     validate.check_data(cfg, combined_format(sources))
@@ -78,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     startup.mark("prepare")
     output.announce_cpu(is_main_process())
     engine = strategy_table.spec(prepared.cfg.strategy.strategy).engine
+    if prepared.cfg.preference.method == "dpo":  # the Trainer path with TRL's DPOTrainer (ddp only: support table)
+        engine = "preference"
     resume = _resume_checkpoint(prepared.cfg.output_dir, prepared.cfg.training.get("resume_from_checkpoint"))
     resumed_step = _checkpoint_step(resume)
     if resumed_step is not None and _already_complete(prepared.cfg, resume, resumed_step):

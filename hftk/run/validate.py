@@ -26,8 +26,22 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def check_preference(cfg: RunConfig) -> None:
+    """DPO's options (training.method and the preference section): values, and the strategy's support."""
+    p = cfg.preference
+    if not 0 < p.beta <= 100:  # exp(-beta * margin) in TRL's losses: larger values only overflow
+        raise HftkError("training.beta", f"must be in (0, 100], got {p.beta}.", "set e.g. 0.1 (TRL's default).")
+    if p.max_length is not None and p.max_length < 1:
+        raise HftkError("training.max_length", f"must be a positive integer, got {p.max_length}.",
+                        "remove it (data.block_size is used) or set e.g. 512.")
+    if p.method == "dpo" and p.ref_model_name_or_path and cfg.model.lora_r > 0:
+        raise HftkError("training.ref_model_name_or_path", "with LoRA the reference is the base with the adapter "
+                        "disabled, so a separate reference model is never read.", "remove --ref_model_name_or_path.")
+
+
 def check_config(cfg: RunConfig) -> None:
     """Pure checks on option values and their combinations."""
+    check_preference(cfg)
     t, d, m = cfg.training, cfg.data, cfg.model
     positive = {
         "training.per_device_train_batch_size": cfg.args.per_device_train_batch_size,
@@ -272,6 +286,9 @@ def check_model(cfg: RunConfig, model_config: Any) -> None:
     if limit is not None and cfg.data.block_size > limit:
         raise HftkError("data.block_size", f"{cfg.data.block_size} exceeds the model's context length {limit}.",
                         f"set data.block_size to {limit} or less.")
+    if limit is not None and (cfg.preference.max_length or 0) > limit:
+        raise HftkError("training.max_length", f"{cfg.preference.max_length} exceeds the model's context length "
+                        f"{limit}.", f"set training.max_length to {limit} or less.")
     check_lora(cfg, model_config)
     hidden = getattr(model_config, "hidden_size", None)
     if cfg.model.lora_r and hidden and cfg.model.lora_r > hidden:

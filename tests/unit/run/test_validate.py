@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from hftk.checkpoint.atomic import COMPLETE_MARKER, seal
-from hftk.config.options import SECTIONS, load_config
+from hftk.config.options import SECTIONS, YAML_ALIASES, load_config
 from hftk.core.errors import HftkError
 from hftk.run.validate import check_world_change
 from tests.helpers import TINY_ARGS
@@ -120,7 +120,7 @@ def numeric_cases() -> list[Case]:
             expect = "accept" if (name, label) in ACCEPTED else "refuse"
             cases.append(Case(f"{name}-{label}", [*context, f"--{name}", value], expect=expect, names=name,
                               world=world))
-        cases.append(Case(f"{name}-yaml-type", context, yaml={section: {name: "abc"}}, names=name, world=world))
+        cases.append(Case(f"{name}-yaml-type", context, yaml={YAML_ALIASES.get(section, section): {name: "abc"}}, names=name, world=world))
     return cases
 
 
@@ -130,7 +130,7 @@ def choice_cases() -> list[Case]:
         for f in dataclasses.fields(cls):
             if "choices" in f.metadata:
                 cases.append(Case(f"{f.name}-unknown", [f"--{f.name}", "nope"], names=f.name))
-                cases.append(Case(f"{f.name}-yaml-unknown", yaml={section: {f.name: "nope"}}, names=f.name))
+                cases.append(Case(f"{f.name}-yaml-unknown", yaml={YAML_ALIASES.get(section, section): {f.name: "nope"}}, names=f.name))
     for name in ("lr_scheduler_type", "optim", "eval_strategy", "save_strategy", "report_to"):
         cases.append(Case(f"{name}-unknown", [f"--{name}", "nope"], names=name))
         cases.append(Case(f"{name}-yaml-unknown", yaml={"training": {name: "nope"}}, names=name))
@@ -394,3 +394,31 @@ def test_fp16_weights_are_fine_where_fp32_master_weights_exist(args, tmp_path, m
     """PEFT keeps adapters in fp32; DeepSpeed keeps its own fp32 master copy."""
     exc = _refusal(["--fp16", "--model_dtype", "float16", *args], tmp_path, monkeypatch)
     assert exc is None or exc.field != "model.model_dtype", exc
+
+
+@pytest.mark.parametrize("rows, extra, field, words", [
+    ([{"text": "hello"}], [], "data.dataset", "row 0 has columns ['text']"),
+    ([{"prompt": "a", "chosen": "", "rejected": "c"}], [], "data.dataset", "row 0: 'chosen' is empty"),
+    ([{"prompt": "a", "chosen": "b", "rejected": "b"}], [], "data.dataset", "'chosen' equals 'rejected'"),
+    ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--strategy", "zero3"], "training.method",
+     "not supported with strategy zero3"),
+    ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--strategy", "pipeline", "--pp_size", "1"],
+     "training.method", "no pairwise step"),
+    ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--beta", "0"], "training.beta", "must be in (0, 100]"),
+    ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--max_length", "100000"], "training.max_length",
+     "exceeds the model's context length"),
+])
+def test_dpo_bad_input_is_one_line_before_launch(tmp_path, rows, extra, field, words) -> None:
+    """--method dpo: refused in prepare (no process group), naming the field; output_dir untouched."""
+    import json
+
+    from hftk.run.prepare import prepare
+
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    with pytest.raises(HftkError) as info:
+        prepare(["--method", "dpo", "--model_name_or_path", "builtin:gpt2-tiny", "--dataset", str(data),
+                 "--output_dir", str(out), "--report_to", "none", *extra])
+    assert info.value.field == field and words in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert not out.exists()

@@ -1,0 +1,66 @@
+"""Preference rows for DPO: TRL's formats (standard strings, conversational message lists, implicit prompt)
+checked row by row before any process group; tokenising them is TRL's DPOTrainer's job."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hftk.core.errors import HftkError
+
+EXPECTED = "'prompt', 'chosen', 'rejected' (strings or message lists; 'prompt' may be left out: an implicit prompt)"
+
+
+def preference_format(row: dict[str, Any]) -> str:
+    """TRL's name for a preference row's format: conversational (message lists) or standard (strings)."""
+    return "conversational" if isinstance(row.get("chosen"), list) else "standard"
+
+
+def check_preference_rows(rows: Any, dataset: str, field: str = "data.dataset") -> str:
+    """Refuse the first row that is not a preference pair, naming it and the expected fields; returns the
+    format every row shares (a mix of strings and message lists is refused: TRL applies one per dataset)."""
+    columns = set(rows.column_names)
+    if not {"chosen", "rejected"} <= columns:
+        raise HftkError(field, f"{dataset} row 0 has columns {sorted(columns)}, not a preference pair.",
+                        f"--method dpo needs {EXPECTED}.")
+    first = None
+    for index, row in enumerate(rows):
+        fmt = preference_format(row)
+        first = first or fmt
+        for name in ("prompt", "chosen", "rejected"):
+            if name == "prompt" and "prompt" not in columns:
+                continue
+            value = row[name]
+            shape = list if fmt == "conversational" else str
+            if not isinstance(value, shape) or fmt != first:
+                raise HftkError(field, f"{dataset} row {index}: '{name}' is {type(value).__name__}, not "
+                                f"{'a message list' if first == 'conversational' else 'a string'} like row 0.",
+                                f"--method dpo needs {EXPECTED}, one format per dataset.")
+            if name != "prompt" and not value:
+                raise HftkError(field, f"{dataset} row {index}: '{name}' is empty.",
+                                "give every row a non-empty chosen and rejected completion, or drop the row.")
+        if row["chosen"] == row["rejected"]:
+            raise HftkError(field, f"{dataset} row {index}: 'chosen' equals 'rejected' (no preference to learn).",
+                            "drop the row or fix its completions.")
+    return first or "standard"
+
+
+def load_preference_sources(cfg: Any) -> list[Any]:
+    """Every dataset of the run through hftk's loader (``load_raw``), each split it reads checked as
+    preference rows. One dataset only: mixing preference sets is not built yet, and is refused."""
+    from hftk.data.dataset import Source, load_raw, source_configs
+
+    configs = source_configs(cfg)
+    if len(configs) > 1:
+        raise HftkError("data.datasets", "--method dpo reads one preference dataset; mixing several is not supported.",
+                        "merge them into one file first.")
+    sources = []
+    for scfg, weight, field in configs:
+        raw = load_raw(scfg)
+        if scfg.train_split not in raw:
+            raise HftkError("data.train_split", f"split '{scfg.train_split}' is not in {scfg.dataset}.",
+                            "set data.train_split to an existing split.")
+        splits = [s for s in (scfg.train_split, scfg.eval_split) if s]
+        formats = {check_preference_rows(raw[split], f"{scfg.dataset} ({split})", field) for split in splits}
+        sources.append(Source(cfg=scfg, raw=raw, fmt="preference_" + "+".join(sorted(formats)), weight=weight,
+                              field=field))
+    return sources

@@ -1,0 +1,78 @@
+"""Preference tuning: TRL's DPOTrainer driven as the Trainer path drives the HF Trainer (same arguments,
+strategy, callbacks, checkpoints); TRL tokenises the pairs, holds the reference and computes the loss."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hftk.config import strategy_table
+from hftk.core import startup
+from hftk.engine import trainer as trainer_engine
+from hftk.engine.run_types import PreparedRun
+from hftk.launch.guard import check_world
+from hftk.models import lora
+from hftk.models.loading import load_model, load_tokenizer
+
+
+def dpo_options(cfg: Any) -> dict[str, Any]:
+    """DPOConfig's fields from hftk's preference options (TRL's names)."""
+    p = cfg.preference
+    return dict(beta=p.beta, loss_type=[p.loss_type], max_length=p.max_length or cfg.data.block_size,
+                precompute_ref_log_probs=p.precompute_ref_log_probs)
+
+
+def preference_splits(prepared: PreparedRun, seed: int) -> tuple[Any, Any]:
+    """(train, eval) rows: the eval split if named, else ``data.eval_fraction`` held out with the run's seed."""
+    source = prepared.sources[0]
+    train = source.raw[source.cfg.train_split]
+    if prepared.cfg.data.max_train_samples:
+        train = train.select(range(min(prepared.cfg.data.max_train_samples, len(train))))
+    if source.cfg.eval_split:
+        return train, source.raw[source.cfg.eval_split]
+    if prepared.cfg.data.eval_fraction > 0:
+        split = train.train_test_split(test_size=prepared.cfg.data.eval_fraction, seed=seed)
+        return split["train"], split["test"]
+    return train, None
+
+
+def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
+    """A ready DPOTrainer: (trainer, strategy module, data with ``train`` / ``eval``)."""
+    from trl import DPOConfig, DPOTrainer
+
+    cfg = prepared.cfg
+    strategy = strategy_table.get(cfg.strategy.strategy)
+    extra = {**strategy.training_arguments(cfg, prepared.model_config), **dpo_options(cfg)}
+    args = trainer_engine.build_training_arguments(prepared, extra, arguments_class=DPOConfig)
+    check_world(args.world_size)
+    startup.mark("process_group")
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    train, held_out = preference_splits(prepared, args.seed)
+    startup.mark("data")
+    base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
+    model = strategy.prepare_model(lora.apply(base, cfg, args), cfg)
+    # None: TRL disables the adapter (LoRA) or loads the starting model again as the reference.
+    ref_model = None
+    if cfg.preference.ref_model_name_or_path:
+        ref_model = load_model(dataclasses.replace(cfg.model, model_name_or_path=cfg.preference.ref_model_name_or_path),
+                               shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
+    startup.mark("model")
+    trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=train, eval_dataset=held_out,
+                         processing_class=tokenizer)
+    for callback in trainer_engine.run_callbacks(prepared, trainer, strategy):
+        trainer.add_callback(callback)
+    startup.mark("trainer")
+    return trainer, strategy, _Data(train=trainer.train_dataset, eval=trainer.eval_dataset)
+
+
+@dataclasses.dataclass
+class _Data:
+    """What ``engine.trainer.train`` reads of the data: whether there is a held-out split."""
+
+    train: Any
+    eval: Any
+
+
+def train(prepared: PreparedRun) -> dict[str, float]:
+    """The Trainer path's run (callbacks, atomic checkpoints, final/, run record, Hub) around a DPOTrainer."""
+    return trainer_engine.train(prepared, build=build_dpo_trainer)

