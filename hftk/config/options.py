@@ -1,7 +1,7 @@
 """The typed run configuration: the single source of truth for every hftk option.
 
 Sections (YAML top-level keys): ``model``, ``data``, ``training``, ``strategy``,
-``tracking``, ``hub``, ``resilience``. Every option has help text (``hftk train --help``).
+``tracking``, ``samples``, ``hub``, ``resilience``. Every option has help text (``hftk train --help``).
 ``training`` is the HF ``TrainingArguments``: every one of its fields passes through.
 
 ``TrainingArguments.__post_init__`` starts the process group (it resolves the device), so
@@ -196,6 +196,23 @@ class TrackingConfig:
 
 
 @dataclass
+class SamplesConfig:
+    """Generation samples at every evaluation and at the end of training (``samples.jsonl``, tensorboard, wandb)."""
+
+    eval_prompts: str | None = _opt(
+        None, "JSONL file of prompts to generate from at every evaluation and at the end: one {\"prompt\": str} or "
+        "{\"messages\": [{role, content}, ...]} row per line (messages rendered with the run's chat template).")
+    num_eval_samples: int = _opt(
+        0, "Generate from the prompt part of the first N held-out rows (prompt/completion pairs: the prompt; "
+        "conversations: the turns before the last assistant turn) instead of --eval_prompts (0: off).")
+    sample_max_new_tokens: int = _opt(64, "Most new tokens per sample (a sample that reaches it stops with 'length').")
+    do_sample: bool = _opt(False, "Samples: sample (GenerationConfig do_sample) instead of greedy decoding, seeded "
+                           "from training.seed and the step.")
+    temperature: float = _opt(1.0, "Samples: sampling temperature (GenerationConfig temperature; needs do_sample).")
+    top_p: float = _opt(1.0, "Samples: nucleus sampling mass in (0, 1] (GenerationConfig top_p; needs do_sample).")
+
+
+@dataclass
 class HubConfig:
     """Pushing the result to the Hugging Face Hub (push_to_hub / hub_model_id / hub_strategy live in training)."""
 
@@ -238,8 +255,8 @@ class PreferenceConfig:
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "strategy": StrategyConfig,
-                             "tracking": TrackingConfig, "hub": HubConfig, "resilience": ResilienceConfig,
-                             "preference": PreferenceConfig}
+                             "tracking": TrackingConfig, "samples": SamplesConfig, "hub": HubConfig,
+                             "resilience": ResilienceConfig, "preference": PreferenceConfig}
 # YAML sections whose options live in another section's dataclass: ``training.method`` as users know it.
 YAML_ALIASES: dict[str, str] = {"preference": "training"}
 
@@ -261,6 +278,7 @@ class RunConfig:
     data: DataConfig
     strategy: StrategyConfig
     tracking: TrackingConfig
+    samples: SamplesConfig
     hub: HubConfig
     resilience: ResilienceConfig
     preference: PreferenceConfig

@@ -337,8 +337,9 @@ def _check_rows(ds: Any, cfg: DataConfig, field: str, split: str, tools_ok: bool
     return kept
 
 
-def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> tuple[Any, Any | None]:
-    """One dataset's training and held-out (or None) blocks, unformatted."""
+def split_rows(cfg: DataConfig, raw: Any, seed: int) -> tuple[Any, Any | None]:
+    """One dataset's training and held-out (or None) rows: the eval split if named, else ``eval_fraction`` of
+    the (capped) training rows, held out with the run's seed."""
     train = raw[cfg.train_split]
     if cfg.max_train_samples:
         train = train.select(range(min(cfg.max_train_samples, len(train))))
@@ -346,6 +347,28 @@ def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> t
     if evals is None and cfg.eval_fraction > 0:
         split = train.train_test_split(test_size=cfg.eval_fraction, seed=seed, shuffle=True)
         train, evals = split["train"], split["test"]
+    return train, evals
+
+
+def heldout_prompts(sources: list[Source], count: int, seed: int) -> list[str | list[dict[str, Any]]]:
+    """The prompt part of the first ``count`` held-out rows, dataset after dataset: a pair's prompt, a
+    conversation's turns before its last assistant turn (rendered later with the generation prompt)."""
+    prompts: list[str | list[dict[str, Any]]] = []
+    for source in sources:
+        evals = split_rows(source.cfg, source.raw, seed)[1]
+        for row in evals.select(range(min(count - len(prompts), len(evals)))) if evals is not None else []:
+            if source.fmt == "messages":
+                turns = row[MESSAGES]
+                last = max(i for i, turn in enumerate(turns) if turn["role"] == "assistant")
+                prompts.append([{"role": t["role"], "content": t["content"]} for t in turns[:last]])
+            else:
+                prompts.append(row[source.cfg.prompt_field])
+    return prompts
+
+
+def _blocks(cfg: DataConfig, raw: Any, tokenizer: Any, fmt: str, seed: int) -> tuple[Any, Any | None]:
+    """One dataset's training and held-out (or None) blocks, unformatted."""
+    train, evals = split_rows(cfg, raw, seed)
     template = chat.require_template(tokenizer, "the data holds conversations") if fmt == "messages" else None
 
     def encode(batch: dict[str, list]) -> dict[str, list]:

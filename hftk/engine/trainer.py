@@ -22,6 +22,7 @@ from hftk.core import startup
 from hftk.core.agent_store import node_first
 from hftk.core.errors import HftkError
 from hftk.data.dataset import announce_eval, collator, tokenize_sources
+from hftk.engine import samples
 from hftk.engine.resilience import StepGuard, guarded, step_guard
 from hftk.engine.run_types import PreparedRun
 from hftk.launch.guard import WorldGuard, check_world
@@ -174,6 +175,9 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     count_flops_once(trainer)
     for callback in run_callbacks(prepared, trainer, strategy):
         trainer.add_callback(callback)
+    if samples.requested(cfg):  # first in line: at train end it samples before tensorboard closes its writer
+        trainer.callback_handler.callbacks.insert(0, samples.SamplesCallback(
+            trainer, cfg, samples.prompts(cfg, prepared.sources, args.seed)))
     startup.mark("trainer")
     return trainer, strategy, data
 

@@ -45,10 +45,11 @@ def load(checkpoint: Path) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
-def read_prompts(path: Path) -> list[str | list[dict[str, str]]]:
-    """Rows of a JSONL file: each a ``prompt`` string or a ``messages`` list; a bad row is one error line."""
+def read_prompts(path: Path, field: str = "--prompts") -> list[str | list[dict[str, str]]]:
+    """Rows of a JSONL file: each a ``prompt`` string or a ``messages`` list of {role, content} strings; a bad row
+    is one error line naming ``field`` (the option that gave the file), the row and what is wrong in it."""
     if not Path(path).is_file():
-        raise HftkError("--prompts", f"'{path}' is not a file.", "pass a JSONL file of {\"prompt\": ...} rows.")
+        raise HftkError(field, f"'{path}' is not a file.", "pass a JSONL file of {\"prompt\": ...} rows.")
     prompts: list[str | list[dict[str, str]]] = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -60,42 +61,65 @@ def read_prompts(path: Path) -> list[str | list[dict[str, str]]]:
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
             prompts.append(row["prompt"])
         elif isinstance(row, dict) and isinstance(row.get("messages"), list):
+            bad = next((i for i, turn in enumerate(row["messages"]) if not isinstance(turn, dict)
+                        or not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str)), None)
+            if bad is not None or not row["messages"]:
+                where = f"messages[{bad}] is not a {{\"role\": str, \"content\": str}} turn" if bad is not None \
+                    else "messages is empty"
+                raise HftkError(field, f"row {number} of '{path}': {where}.", "fix or remove that row.")
             prompts.append(row["messages"])
         else:
-            raise HftkError("--prompts", f"row {number} of '{path}' is not a {{\"prompt\": str}} or "
+            raise HftkError(field, f"row {number} of '{path}' is not a {{\"prompt\": str}} or "
                             "{\"messages\": [...]} JSON object.", "fix or remove that row.")
     if not prompts:
-        raise HftkError("--prompts", f"'{path}' holds no rows.", "add one {\"prompt\": ...} row per line.")
+        raise HftkError(field, f"'{path}' holds no rows.", "add one {\"prompt\": ...} row per line.")
     return prompts
 
 
-def input_ids(tokenizer: Any, prompt: str | list[dict[str, str]]) -> torch.Tensor:
-    """A prompt's ids: plain text as is, a message list through the saved chat template."""
+def input_ids(tokenizer: Any, prompt: str | list[dict[str, str]], field: str = "--prompts") -> torch.Tensor:
+    """A prompt's ids: plain text as is, a message list through the tokenizer's (the run's, the checkpoint's saved)
+    chat template, with the generation prompt that opens the assistant's turn."""
     if isinstance(prompt, str):
         return tokenizer(prompt, return_tensors="pt").input_ids
     if not tokenizer.chat_template:
-        raise HftkError("--prompts", "a messages row needs a chat template, and this checkpoint's tokenizer has none.",
-                        "use {\"prompt\": ...} rows, or a checkpoint of a chat run.")
+        raise HftkError(field, "a messages row needs a chat template, and the tokenizer has none.",
+                        "use {\"prompt\": ...} rows, or pass --chat_template (a chat run).")
     return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt",
                                          return_dict=True)["input_ids"]
 
 
-def generate(model: Any, tokenizer: Any, prompt: str | list[dict[str, str]], config: Any,
-             stream: bool = False) -> torch.Tensor:
-    """The new token ids for one prompt (greedy unless ``config`` samples); streamed to stdout if asked."""
+def generation_config(model: Any, tokenizer: Any, max_new_tokens: int, do_sample: bool, temperature: float,
+                      top_p: float) -> Any:
+    """A ``GenerationConfig``: the model's own (its EOS, pad, ...) with these options; greedy unless ``do_sample``;
+    pad falls back to the tokenizer's pad, then EOS (as ``generate`` would, without its warning)."""
+    from transformers import GenerationConfig
+
+    own = getattr(model, "generation_config", None)
+    config = GenerationConfig.from_model_config(model.config) if own is None else GenerationConfig(**own.to_dict())
+    config.update(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature if do_sample else None,
+                  top_p=top_p if do_sample else None)
+    if config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else config.eos_token_id
+    return config
+
+
+def generate(model: Any, tokenizer: Any, prompt: str | list[dict[str, str]], config: Any, stream: bool = False,
+             synced_gpus: bool = False, device: Any = None) -> torch.Tensor:
+    """The new token ids for one prompt (greedy unless ``config`` samples); streamed to stdout if asked.
+    ``synced_gpus``: every rank of a sharded model calls this in lock-step (ranks that stop early keep
+    running forwards until all have stopped, transformers' own mechanism)."""
     from transformers import TextStreamer
 
-    ids = input_ids(tokenizer, prompt)
+    ids = input_ids(tokenizer, prompt).to(device or "cpu")
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=streamer)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=streamer,
+                             synced_gpus=synced_gpus)
     return out[0, ids.shape[1]:]
 
 
 def main(argv: list[str]) -> int:
     """``hftk generate CHECKPOINT (--prompt TEXT | --prompts FILE) [GenerationConfig options]``."""
-    from transformers import GenerationConfig
-
     parser = argparse.ArgumentParser(
         prog="hftk generate",
         description="Generate from any checkpoint hftk writes (final, checkpoint-N of any strategy, LoRA / QLoRA "
@@ -113,13 +137,7 @@ def main(argv: list[str]) -> int:
         raise HftkError("--max_new_tokens", f"must be at least 1, got {args.max_new_tokens}.", "pass 1 or more.")
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     model, tokenizer = load(args.checkpoint)
-    config = GenerationConfig.from_model_config(model.config) if model.generation_config is None \
-        else GenerationConfig(**model.generation_config.to_dict())
-    config.update(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                  temperature=args.temperature if args.do_sample else None,
-                  top_p=args.top_p if args.do_sample else None)
-    if config.pad_token_id is None:
-        config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else config.eos_token_id
+    config = generation_config(model, tokenizer, args.max_new_tokens, args.do_sample, args.temperature, args.top_p)
     for prompt in prompts:
         generate(model, tokenizer, prompt, config, stream=True)
     return 0

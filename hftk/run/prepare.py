@@ -45,6 +45,7 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
         cfg.strategy.strategy = estimate.resolve_auto(cfg, model_config, world_size)
     support.check_method(cfg.strategy.strategy, cfg.preference.method)  # after auto: the strategy that runs
     strategy_table.get(cfg.strategy.strategy).validate(cfg, world_size)
+    validate.check_samples(cfg, model_config)  # after auto: the strategy's engine generates
     if read_tokenized and cfg.data.tokenized_path:
         from hftk.run import preprocess
 
@@ -62,6 +63,7 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
     for source in sources:  # each dataset's options were copied before check_data resolved data.packing
         source.cfg.packing = cfg.data.packing
     check_holdouts(sources)
+    validate.check_samples(cfg, model_config, sources)  # num_eval_samples: the held-out rows' prompts
     resolve_model_path(cfg.model)  # valid input: a built-in is written now, before any process group
     return PreparedRun(cfg=cfg, model_config=model_config, raw=sources[0].raw, data_format=combined_format(sources),
                        world_size=world_size, sources=sources)

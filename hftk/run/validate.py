@@ -39,9 +39,90 @@ def check_preference(cfg: RunConfig) -> None:
                         "disabled, so a separate reference model is never read.", "remove --ref_model_name_or_path.")
 
 
+def _samples_field(cfg: RunConfig) -> str:
+    """The option that asked for samples (what their errors name)."""
+    return "samples.eval_prompts" if cfg.samples.eval_prompts else "samples.num_eval_samples"
+
+
+def check_samples_options(cfg: RunConfig) -> None:
+    """The samples options' combinations, and the prompt file's rows (read, not yet rendered)."""
+    from hftk.engine.samples import requested
+    from hftk.publish.generate import read_prompts
+
+    s = cfg.samples
+    for name, value in (("temperature", s.temperature), ("top_p", s.top_p)):
+        if value != 1.0 and not s.do_sample:  # GenerationConfig would only warn, and decode greedily
+            raise HftkError(f"samples.{name}", f"is {value} but greedy decoding ignores it.",
+                            f"pass --do_sample to sample, or drop --{name}.")
+    if s.eval_prompts and s.num_eval_samples:
+        raise HftkError("samples.num_eval_samples", "is set together with samples.eval_prompts.",
+                        "choose one source of sample prompts.")
+    if requested(cfg) and cfg.preference.method == "dpo":
+        raise HftkError(_samples_field(cfg), "samples during training are not wired into the dpo method yet.",
+                        "sample the checkpoints afterwards with `hftk generate`.")
+    if s.num_eval_samples and cfg.data.tokenized_path:
+        raise HftkError("samples.num_eval_samples", "needs the held-out rows, and data.tokenized_path holds only "
+                        "their blocks.", "pass --eval_prompts FILE instead.")
+    if s.eval_prompts:
+        read_prompts(Path(s.eval_prompts), "samples.eval_prompts")
+
+
+def check_samples(cfg: RunConfig, model_config: Any, sources: list[Any] | None = None) -> None:
+    """Samples need the Trainer engine; every prompt must render (messages through the run's chat template) and
+    fit the context with ``sample_max_new_tokens``. ``sources``: the datasets, for ``num_eval_samples`` (None: the
+    prompt file is checked)."""
+    from hftk.config import strategy_table
+    from hftk.data.dataset import heldout_prompts
+    from hftk.engine.samples import prompts, requested
+
+    if not requested(cfg):
+        return
+    field = _samples_field(cfg)
+    if sources is None:
+        if strategy_table.spec(cfg.strategy.strategy).engine != "trainer":
+            raise HftkError(field, f"samples during training run on the Trainer strategies (ddp, fsdp, zero1-3, "
+                            f"zero3_offload) so far; {cfg.strategy.strategy} runs on hftk's own loop.",
+                            "use a Trainer strategy, or sample its checkpoints with `hftk generate`.")
+        if cfg.samples.eval_prompts:
+            _check_prompts(cfg, model_config, prompts(cfg, [], 0), field, f"'{cfg.samples.eval_prompts}': prompt")
+        return
+    if not cfg.samples.num_eval_samples:
+        return
+    text = next((s for s in sources if s.fmt == "text"), None)
+    if text is not None:
+        raise HftkError(field, f"{text.cfg.dataset} is plain text: its rows have no prompt part to generate from.",
+                        "pass --eval_prompts FILE with the prompts to sample.")
+    held_out = heldout_prompts(sources, cfg.samples.num_eval_samples, int(cfg.args.seed))
+    if not held_out:
+        raise HftkError(field, "the run holds no rows out (data.eval_fraction 0 and no eval_split).",
+                        "hold rows out (--eval_fraction, --eval_split), or pass --eval_prompts FILE.")
+    _check_prompts(cfg, model_config, held_out, field, "held-out prompt")
+
+
+def _check_prompts(cfg: RunConfig, model_config: Any, prompts: list[Any], field: str, what: str) -> None:
+    from hftk.models.loading import context_length, load_tokenizer
+    from hftk.publish.generate import input_ids
+
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    limit, new = context_length(model_config), cfg.samples.sample_max_new_tokens
+    for number, prompt in enumerate(prompts, 1):
+        try:
+            length = input_ids(tokenizer, prompt, field).shape[1]
+        except HftkError as exc:  # no chat template for a messages row
+            raise HftkError(field, f"{what} {number}: {exc.problem}", exc.fix) from None
+        except Exception as exc:  # jinja2's errors, a template's raise_exception: the first line says which
+            raise HftkError(field, f"{what} {number}: the chat template cannot render it "
+                            f"({str(exc).splitlines()[0][:200]}).", "fix or remove that prompt.") from None
+        if limit is not None and length + new > limit:
+            raise HftkError(field, f"{what} {number} has {length} tokens; with {new} new tokens "
+                            f"(samples.sample_max_new_tokens) that exceeds the model's context length {limit}.",
+                            "shorten it, or lower --sample_max_new_tokens.")
+
+
 def check_config(cfg: RunConfig) -> None:
     """Pure checks on option values and their combinations."""
     check_preference(cfg)
+    check_samples_options(cfg)
     t, d, m = cfg.training, cfg.data, cfg.model
     positive = {
         "training.per_device_train_batch_size": cfg.args.per_device_train_batch_size,
@@ -140,6 +221,11 @@ def _ranges(cfg: RunConfig) -> list[tuple[str, Any, Any, str]]:
          d.pad_to_multiple_of is None or 1 <= d.pad_to_multiple_of <= d.block_size,
          f"a number of tokens between 1 and data.block_size ({d.block_size}), e.g. 8 (or unset)"),
         ("tracking.check_sync_steps", cfg.tracking.check_sync_steps, cfg.tracking.check_sync_steps >= 0, ">= 0 (0: off)"),
+        ("samples.num_eval_samples", cfg.samples.num_eval_samples, cfg.samples.num_eval_samples >= 0, ">= 0 (0: off)"),
+        ("samples.sample_max_new_tokens", cfg.samples.sample_max_new_tokens, cfg.samples.sample_max_new_tokens >= 1,
+         "at least 1"),
+        ("samples.temperature", cfg.samples.temperature, cfg.samples.temperature > 0, "> 0"),
+        ("samples.top_p", cfg.samples.top_p, 0 < cfg.samples.top_p <= 1, "in (0, 1]"),
         ("hub.hub_retry_backoff_s", cfg.hub.hub_retry_backoff_s, cfg.hub.hub_retry_backoff_s >= 0, ">= 0 seconds"),
         ("training.weight_decay", a.weight_decay, a.weight_decay >= 0, ">= 0"),
         ("training.ddp_timeout", a.ddp_timeout, a.ddp_timeout > 0, "a positive number of seconds"),
@@ -283,6 +369,9 @@ def check_model(cfg: RunConfig, model_config: Any) -> None:
     from hftk.models.loading import context_length
 
     limit = context_length(model_config)
+    if limit is not None and cfg.samples.sample_max_new_tokens >= limit:
+        raise HftkError("samples.sample_max_new_tokens", f"{cfg.samples.sample_max_new_tokens} leaves no room for a "
+                        f"prompt in the model's context length {limit}.", f"set it below {limit}, e.g. 64.")
     if limit is not None and cfg.data.block_size > limit:
         raise HftkError("data.block_size", f"{cfg.data.block_size} exceeds the model's context length {limit}.",
                         f"set data.block_size to {limit} or less.")

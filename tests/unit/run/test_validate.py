@@ -78,7 +78,7 @@ ACCEPTED = {
     ("max_train_samples", "huge"), ("max_eval_samples", "huge"),  # caps larger than the data cap nothing
     ("powersgd_warmup_steps", "zero"), ("topk_warmup_steps", "zero"),  # compress from the first step
     ("powersgd_warmup_steps", "huge"), ("topk_warmup_steps", "huge"),  # never compress
-    ("check_sync_steps", "zero"), ("comm_profile_steps", "zero"),  # off
+    ("check_sync_steps", "zero"), ("comm_profile_steps", "zero"), ("num_eval_samples", "zero"),  # off
     ("check_sync_steps", "huge"), ("comm_profile_steps", "huge"), ("imbalance_warn_threshold", "huge"),
     ("powersgd_rank", "huge"),  # torch's PowerSGD caps the rank at each matrix's smaller side
     ("hub_retry_backoff_s", "zero"), ("hub_retry_backoff_s", "huge"), ("hub_upload_retries", "huge"),
@@ -422,3 +422,61 @@ def test_dpo_bad_input_is_one_line_before_launch(tmp_path, rows, extra, field, w
                  "--output_dir", str(out), "--report_to", "none", *extra])
     assert info.value.field == field and words in str(info.value) and "\n" not in str(info.value), str(info.value)
     assert not out.exists()
+
+
+CHAT_ROWS = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+             for i in range(40)]
+TEXT_ROWS = [{"text": f"line {i} of plain training text"} for i in range(40)]
+PROMPT = {"prompt": "In the beginning"}
+MESSAGES = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("prompts, data, extra, field, words", [
+    ([PROMPT, {"text": "x"}], TEXT_ROWS, [], "samples.eval_prompts", "row 2 of"),
+    ([PROMPT, "not json"], TEXT_ROWS, [], "samples.eval_prompts", "row 2 of"),
+    ([{"messages": [{"role": "user"}]}], TEXT_ROWS, [], "samples.eval_prompts", "row 1 of"),
+    ([{"messages": []}], TEXT_ROWS, [], "samples.eval_prompts", "messages is empty"),
+    ([], TEXT_ROWS, [], "samples.eval_prompts", "holds no rows"),
+    ([PROMPT, MESSAGES], TEXT_ROWS, [], "samples.eval_prompts", "prompt 2: a messages row needs a chat template"),
+    ([{"prompt": "word " * 250}], TEXT_ROWS, [], "samples.eval_prompts", "exceeds the model's context length 256"),
+    ([PROMPT], TEXT_ROWS, ["--strategy", "pipeline", "--pp_size", "2"], "samples.eval_prompts", "own loop"),
+    ([PROMPT], TEXT_ROWS, ["--num_eval_samples", "2"], "samples.num_eval_samples", "together with"),
+    ([PROMPT], TEXT_ROWS, ["--temperature", "0.7"], "samples.temperature", "greedy decoding ignores it"),
+    ([PROMPT], TEXT_ROWS, ["--do_sample", "--top_p", "1.5"], "samples.top_p", "in (0, 1]"),
+    (None, TEXT_ROWS, ["--num_eval_samples", "2"], "samples.num_eval_samples", "plain text"),
+    (None, CHAT_ROWS, ["--num_eval_samples", "2", "--chat_template", "chatml", "--eval_fraction", "0"],
+     "samples.num_eval_samples", "holds no rows out"),
+    (None, TEXT_ROWS, ["--sample_max_new_tokens", "256"], "samples.sample_max_new_tokens", "leaves no room"),
+])
+def test_samples_bad_input_is_one_line_before_launch(tmp_path, monkeypatch, prompts, data, extra, field, words):
+    """The samples options: refused in prepare (no process group), naming the option (and the row); output_dir
+    untouched."""
+    import torch.distributed as dist
+
+    from hftk.run.prepare import prepare
+
+    monkeypatch.setenv("WORLD_SIZE", "2" if "pipeline" in extra else "1")
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in data))
+    argv = ["--model_name_or_path", "builtin:gpt2-tiny", "--dataset", str(tmp_path / "data.jsonl"),
+            "--output_dir", str(tmp_path / "out"), "--report_to", "none", *extra]
+    if prompts is not None:
+        (tmp_path / "prompts.jsonl").write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n"
+                                                        for row in prompts))
+        argv += ["--eval_prompts", str(tmp_path / "prompts.jsonl")]
+    with pytest.raises(HftkError) as info:
+        prepare(argv)
+    assert info.value.field == field and words in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert not (tmp_path / "out").exists() and not dist.is_initialized()
+
+
+def test_samples_options_that_fit_are_accepted(tmp_path):
+    """A prompt file of both row kinds under a chat template, and held-out conversations' prompts."""
+    from hftk.run.prepare import prepare
+
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in CHAT_ROWS))
+    (tmp_path / "prompts.jsonl").write_text(json.dumps(PROMPT) + "\n\n" + json.dumps(MESSAGES) + "\n")
+    base = ["--model_name_or_path", "builtin:gpt2-tiny", "--dataset", str(tmp_path / "chat.jsonl"), "--chat_template",
+            "chatml", "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+    assert prepare([*base, "--eval_prompts", str(tmp_path / "prompts.jsonl")]).cfg.samples.eval_prompts
+    cfg = prepare([*base, "--num_eval_samples", "3", "--do_sample", "--temperature", "0.7", "--top_p", "0.9"]).cfg
+    assert (cfg.samples.num_eval_samples, cfg.samples.temperature, cfg.samples.top_p) == (3, 0.7, 0.9)

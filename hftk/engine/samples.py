@@ -1,0 +1,122 @@
+"""Generation samples during training (``samples`` options): at every evaluation and at the end of training,
+every prompt through transformers' ``generate`` on the model as the strategy holds it.
+
+The prompts are dealt out over the ranks and each is generated alone (no padding, so a sample equals a
+one-process ``generate`` on the same weights); rank 0 gathers the rows. Where the parameters are sharded (ZeRO-3's
+partitions, FSDP2's DTensors) each forward gathers them layer by layer, so the ranks call ``generate`` in
+lock-step with ``synced_gpus=True``: a rank whose sample stops early keeps running forwards until every rank has
+stopped (transformers' own mechanism; without it the ranks' gathers would pair up wrongly and hang), and no rank
+ever holds the whole model. Replicated models (ddp, zero1/2, LoRA under them) generate independently.
+Rank 0 writes and reports the rows (:mod:`hftk.telemetry.samples`); the time is logged as ``sample_time_s``.
+It runs between optimizer steps (``on_evaluate``, ``on_train_end``), outside the step window
+:class:`hftk.telemetry.metrics.MetricsCallback` times, so it never counts in tokens/s or MFU.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from hftk.config.options import RunConfig
+from hftk.data.dataset import heldout_prompts
+from hftk.publish.generate import generate, generation_config, read_prompts
+from hftk.telemetry.samples import report_samples
+
+Prompt = str | list[dict[str, str]]
+
+
+def requested(cfg: RunConfig) -> bool:
+    return bool(cfg.samples.eval_prompts or cfg.samples.num_eval_samples)
+
+
+def prompts(cfg: RunConfig, sources: list[Any], seed: int) -> list[Prompt]:
+    """The run's sample prompts: ``eval_prompts``' rows, or the prompt part of ``num_eval_samples`` held-out rows."""
+    if cfg.samples.eval_prompts:
+        return read_prompts(Path(cfg.samples.eval_prompts), "samples.eval_prompts")
+    return heldout_prompts(sources, cfg.samples.num_eval_samples, seed) if cfg.samples.num_eval_samples else []
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether ranks hold pieces of the parameters (ZeRO-3 partitions, DTensor shards) in a multi-rank group."""
+    from torch.distributed.tensor import DTensor
+
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return False
+    return any(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in model.parameters())
+
+
+def stop_reason(tokens: list[int], config: Any) -> str:
+    """``eos`` when the last new token is one of the config's EOS ids, else ``length``."""
+    eos = config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return "eos" if tokens and tokens[-1] in eos_ids else "length"
+
+
+def sample(model: Any, tokenizer: Any, prompts: list[Prompt], cfg: RunConfig, step: int, device: Any) -> list[dict]:
+    """One row per prompt (step, prompt, completion, tokens, stop), on every rank, from ``model`` as it is now
+    (in eval mode). The prompts are dealt out over the ranks (rank r takes prompts r, r + world, ...) and the
+    rows gathered; a sharded model's ranks make the same number of ``generate`` calls (a rank short of prompts
+    repeats its first one and drops the result). Sampling is seeded per prompt from ``training.seed`` and the
+    step, on a forked RNG: the rows do not depend on the world size, and training's RNG stream is untouched."""
+    from hftk.comm.collectives import gather_objects
+
+    s = cfg.samples
+    config = generation_config(model, tokenizer, s.sample_max_new_tokens, s.do_sample, s.temperature, s.top_p)
+    dist = torch.distributed
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    synced = is_sharded(model)
+    mine = list(range(rank, len(prompts), world))
+    calls = -(-len(prompts) // world) if synced else len(mine)
+    was_training = model.training
+    model.eval()
+    rows: list[tuple[int, dict]] = []
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    try:
+        for call in range(calls):
+            index = mine[call] if call < len(mine) else (mine or [0])[0]
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(int(cfg.args.seed) + step * len(prompts) + index)
+                tokens = generate(model, tokenizer, prompts[index], config, synced_gpus=synced, device=device).tolist()
+            if call < len(mine):
+                rows.append((index, {"step": step, "prompt": prompts[index], "tokens": tokens,
+                                     "stop": stop_reason(tokens, config),
+                                     "completion": tokenizer.decode(tokens, skip_special_tokens=True)}))
+    finally:
+        model.train(was_training)
+    return [row for _, row in sorted(r for ranks in gather_objects(rows) for r in ranks)]
+
+
+class SamplesCallback(TrainerCallback):
+    """Samples at each evaluation and at the end of training, once per step (the engine's final evaluation after
+    ``train`` ends at a step already sampled). Placed ahead of the reporters so that at train end it runs before
+    tensorboard closes its writer."""
+
+    def __init__(self, trainer: Any, cfg: RunConfig, prompts: list[Prompt]) -> None:
+        self.trainer = trainer
+        self.cfg = cfg
+        self.prompts = prompts
+        self.sampled: set[int] = set()
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._sample(args, state)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._sample(args, state)
+
+    def _sample(self, args: Any, state: Any) -> None:
+        step = state.global_step
+        if step in self.sampled:
+            return
+        self.sampled.add(step)
+        trainer = self.trainer
+        start = time.perf_counter()
+        rows = sample(trainer.accelerator.unwrap_model(trainer.model), trainer.processing_class, self.prompts,
+                      self.cfg, step, args.device)
+        seconds = time.perf_counter() - start
+        if state.is_world_process_zero:
+            report_samples(rows, Path(args.output_dir), trainer.callback_handler.callbacks, args, step)
+        trainer.log({"sample_time_s": seconds})

@@ -1,0 +1,186 @@
+"""Samples during training on 2 gloo ranks: at every evaluation the samples equal, token for token (greedy,
+fp32), what one process's plain ``model.generate`` makes on the checkpoint saved at that step, under ddp, zero3,
+fsdp and LoRA (ddp); under zero3 and fsdp a prompt that stops at EOS at once on one rank and one that runs to the
+limit on the other (the classic sharded-generation hang) finish under the timeout; ``samples.jsonl``, the
+tensorboard text and the wandb table hold the rows; the time is its own metric.
+
+Runs (each on warm ranks: ``tests.helpers.finetune_cells``): the tiny GPT-2 at a learning rate that changes its
+greedy output from step to step, 2 steps, evaluation and a checkpoint at each; prompts dealt one per rank.
+``uneven_*``: gpt2-small, whose folder's generation_config says EOS is also the token it first picks for one
+prompt; a learning rate of 1e-8 keeps that choice for the one step it trains. Without ``synced_gpus`` both
+crash (gloo: "Received data size doesn't match expected size"; checked by hand when this test was written).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hftk.plan.types import MAX_REUSE_DISTANCE
+from tests.helpers import finetune_cells, metrics
+
+STEPS, NEW = 2, 8
+EOS = 0  # the built-in models' <|endoftext|>
+PROMPTS = ["And God said, Let there be", {"messages": [{"role": "user", "content": "Who made the heaven?"}]},
+           "In the beginning"]
+COMMON = ["--max_steps", str(STEPS), "--learning_rate", "5e-3", "--per_device_train_batch_size", "2",
+          "--eval_strategy", "steps", "--eval_steps", "1", "--save_strategy", "steps", "--save_steps", "1",
+          "--max_eval_samples", "2", "--chat_template", "chatml", "--sample_max_new_tokens", str(NEW)]
+RUNS = {"ddp": ["--report_to", "tensorboard"], "lora": ["--lora_r", "4", "--learning_rate", "0.1", "--report_to", "wandb"], "zero3": ["--strategy", "zero3"],
+        "fsdp": ["--strategy", "fsdp"]}
+UNEVEN = ["zero3", "fsdp"]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+
+
+def _row(prompt):
+    return prompt if isinstance(prompt, dict) else {"prompt": prompt}
+
+
+def _ids(tokenizer, prompt):
+    if isinstance(prompt, dict):
+        return tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"]
+    return tokenizer(prompt, return_tensors="pt").input_ids
+
+
+def _greedy(model, tokenizer, ids, eos=None):
+    """Plain greedy ``generate``: the tokenizer's EOS (the run aligns the model's to it) unless ``eos`` is given."""
+    with torch.no_grad():
+        out = model.eval().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                                    eos_token_id=eos or tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _uneven_model(root: Path) -> tuple[Path, str, str, int]:
+    """The built-in gpt2-small's folder with EOS = the token it picks first for prompt A; prompt B never meets it.
+    gpt2-small (3.7M parameters) because ZeRO-3 keeps a model smaller than its reuse distance (1M parameters)
+    gathered from one forward to the next: the tiny one's generation would need no collective at all."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftk.data.builtin import materialize_model
+
+    folder = root / "eos_model"
+    shutil.copytree(materialize_model("builtin:gpt2-small"), folder)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    assert model.num_parameters() > 2 * MAX_REUSE_DISTANCE
+    first = _greedy(model, tokenizer, _ids(tokenizer, "And God said"))[0]
+    assert first != tokenizer.eos_token_id
+    candidates = ["In the beginning", "The earth was", "And the LORD spake", "Blessed are they", "unto Moses"]
+    other = next(p for p in candidates if first not in _greedy(model, tokenizer, _ids(tokenizer, p)))
+    model.generation_config.eos_token_id = [first, tokenizer.eos_token_id]
+    model.generation_config.save_pretrained(folder)
+    return folder, "And God said", other, first
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("samples")
+    (root / "prompts.jsonl").write_text("".join(json.dumps(_row(p)) + "\n" for p in PROMPTS))
+    folder, stop_now, run_on, eos = _uneven_model(root)
+    (root / "uneven.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (stop_now, run_on)))
+    cells = {name: [*COMMON, *extra, "--eval_prompts", str(root / "prompts.jsonl"), "--output_dir", str(root / name)]
+             for name, extra in RUNS.items()}
+    for strategy in UNEVEN:
+        cells[f"uneven_{strategy}"] = [
+            "--strategy", strategy, "--model_name_or_path", str(folder), "--max_steps", "1", "--learning_rate", "1e-8",
+            "--per_device_train_batch_size", "2", "--save_strategy", "steps", "--save_steps", "1",
+            "--sample_max_new_tokens", str(NEW), "--eval_prompts", str(root / "uneven.jsonl"),
+            "--output_dir", str(root / f"uneven_{strategy}")]
+    finetune_cells(2, cells, root, timeout=600)
+    return root, eos
+
+
+def samples(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+
+
+def _reference_model(run: str, checkpoint: Path):
+    """The weights saved at that step, read without the run: transformers / PEFT, or hftk's export reader for
+    the sharded formats (ZeRO-3 partitions, FSDP2 DCP shards)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hftk.data.builtin import materialize_model
+    from hftk.publish.generate import load
+
+    if run == "lora":
+        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(materialize_model("builtin:gpt2-tiny")),
+                                         checkpoint)
+    if run == "ddp":
+        return AutoModelForCausalLM.from_pretrained(checkpoint)
+    return load(checkpoint)[0]
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_samples_equal_one_process_generate_on_the_checkpoint_of_each_step(runs, run):
+    from transformers import AutoTokenizer
+
+    root, _ = runs
+    rows = samples(root / run)
+    assert [(r["step"], r["prompt"]) for r in rows] == [(s, p if isinstance(p, str) else p["messages"])
+                                                       for s in range(1, STEPS + 1) for p in PROMPTS]
+    for step in range(1, STEPS + 1):
+        checkpoint = root / run / f"checkpoint-{step}"
+        model, tokenizer = _reference_model(run, checkpoint), AutoTokenizer.from_pretrained(checkpoint)
+        for prompt, row in zip(PROMPTS, [r for r in rows if r["step"] == step]):
+            expected = _greedy(model, tokenizer, _ids(tokenizer, prompt))
+            assert row["tokens"] == expected, (run, step, prompt)
+            assert row["completion"] == tokenizer.decode(expected, skip_special_tokens=True)
+    first, last = ([r["tokens"] for r in rows if r["step"] == s] for s in (1, STEPS))
+    assert first != last, "the samples must follow the weights from step to step"
+
+
+@pytest.mark.parametrize("strategy", UNEVEN)
+def test_one_rank_stopping_at_eos_at_once_and_the_other_running_to_the_limit_finish(runs, strategy):
+    """Prompt A (rank 0) stops at its first token, prompt B (rank 1) runs all NEW tokens: with synced_gpus the
+    ranks keep pairing their gathers, and the run ends (inside the cell's timeout) with both rows."""
+    from transformers import AutoTokenizer
+
+    root, eos = runs
+    out = root / f"uneven_{strategy}"
+    stop_now, run_on = samples(out)
+    assert stop_now["tokens"] == [eos] and stop_now["stop"] == "eos", stop_now
+    assert len(run_on["tokens"]) == NEW and run_on["stop"] == "length", run_on
+    model, tokenizer = _reference_model(strategy, out / "checkpoint-1"), AutoTokenizer.from_pretrained(out / "checkpoint-1")
+    assert run_on["tokens"] == _greedy(model, tokenizer, _ids(tokenizer, run_on["prompt"]), [eos, tokenizer.eos_token_id])
+
+
+def test_samples_file_rows_and_their_time(runs):
+    root, _ = runs
+    for row in samples(root / "ddp"):
+        assert set(row) == {"step", "prompt", "completion", "tokens", "stop"}
+        assert row["stop"] == ("eos" if row["tokens"][-1] == EOS else "length")
+        assert len(row["tokens"]) == NEW or row["stop"] == "eos"
+    timed = {m["step"]: m["sample_time_s"] for m in metrics(root / "ddp") if "sample_time_s" in m}
+    assert set(timed) == set(range(1, STEPS + 1)) and all(t > 0 for t in timed.values()), timed
+    trained = [m for m in metrics(root / "ddp") if "loss" in m]
+    assert trained and all("sample_time_s" not in m and m["step_time_s"] > 0 for m in trained)
+
+
+def test_tensorboard_holds_each_steps_samples_as_text(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, _ = runs
+    texts = {}
+    for events in (root / "ddp" / "runs").iterdir():
+        accumulator = EventAccumulator(str(events), size_guidance={"tensors": 0})
+        accumulator.Reload()
+        if "samples/text_summary" in accumulator.Tags()["tensors"]:
+            texts.update({e.step: e.tensor_proto.string_val[0].decode() for e in accumulator.Tensors("samples/text_summary")})
+    assert set(texts) == set(range(1, STEPS + 1)), texts
+    for row in samples(root / "ddp"):
+        assert row["completion"] in texts[row["step"]]
+
+
+def test_wandb_offline_run_holds_a_samples_table_per_step(runs):
+    root, _ = runs
+    tables = sorted((root / "lora" / "wandb").glob("offline-run-*/files/media/table/samples_*.table.json"))
+    assert len(tables) == STEPS, tables
+    logged = [json.loads(t.read_text()) for t in tables]
+    assert all(t["columns"] == ["step", "prompt", "completion", "num_tokens", "stop"] for t in logged)
+    assert sorted((r[0], r[2], r[3], r[4]) for t in logged for r in t["data"]) == sorted(
+        (s["step"], s["completion"], len(s["tokens"]), s["stop"]) for s in samples(root / "lora"))
