@@ -52,6 +52,7 @@ from hftk.comm.collectives import gather_objects
 from hftk.config import strategy_table
 from hftk.core import startup
 from hftk.data.dataset import announce_eval, collator
+from hftk.engine import samples
 from hftk.engine.resilience import (EXIT_PREEMPTED, EvaluationInterrupted, PreemptionSignal, check_evaluation,
                                     decide_step, nonfinite_gradients, stop_line)
 from hftk.engine.run_types import PreparedRun
@@ -64,6 +65,7 @@ from hftk.telemetry.memory import model_state_bytes
 from hftk.telemetry.metrics import MetricsCallback, SyncCheckCallback, append_jsonl, logged_eval
 from hftk.telemetry.rank_monitor import (RankMonitor, RankMonitorCallback, compute_dtype, device_peak_flops,
                                          flops_per_token, peak_memory_bytes)
+from hftk.telemetry.samples import report_samples
 
 
 @dataclass
@@ -96,6 +98,8 @@ class Run:
     adapter: tuple[Any, dict[str, tuple[int, ...]]] | None = None  # LoRA: (PEFT config, each adapter weight's shape)
     state_bytes: dict[str, int] | None = None  # this rank's model state, counted at its first optimizer step
     lifetime_peak: int = 0  # imports, loading and sharding
+    prompts: list[Any] = field(default_factory=list)  # generation samples' prompts (the samples options)
+    sampled: set[int] = field(default_factory=set)  # steps already sampled
 
     @property
     def rank(self) -> int:
@@ -158,6 +162,7 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     scheduler = _make_scheduler(args, optimizer, max_steps)
     run = _start_run(prepared, args, step, tokenizer, optimizer, scheduler, train_loader, data.eval, collate,
                      max_steps, epochs, token_flops, adapter)
+    run.prompts = samples.prompts(cfg, prepared.sources, args.seed)
     startup.mark("trainer")
     metrics = _train_epochs(run, steps_per_epoch, epochs)
     # Torn down by us: gloo aborts when the interpreter exits with the group still alive.
@@ -498,7 +503,27 @@ def _evaluate(run: Run) -> dict[str, float]:
     metrics = {"eval_loss": float(total[0] / total[1].clamp(min=1)), "eval_runtime": round(time.time() - start, 4)}
     _log(run, dict(metrics))
     run.control = run.handler.on_evaluate(run.args, run.state, run.control, metrics=metrics)
+    _sample(run)
     return metrics
+
+
+def _sample(run: Run) -> None:
+    """Generation samples at this step, once (the samples options). Collective: the weights are consolidated on
+    rank 0, which generates, writes and reports the rows; every rank waits for it here (not in the next step's
+    time) and logs ``sample_time_s``."""
+    step = run.state.global_step
+    if not run.prompts or step in run.sampled:
+        return
+    run.sampled.add(step)
+    start = time.perf_counter()
+    model = run.step.consolidated_model()
+    if model is not None:
+        cfg = run.prepared.cfg
+        rows = samples.sample(model, run.tokenizer, run.prompts, cfg, step, run.step.device, shared=False)
+        report_samples(rows, cfg.output_dir, run.handler.callbacks, run.args, step)
+        del model
+    dist.barrier()
+    _log(run, {"sample_time_s": time.perf_counter() - start})
 
 
 def _evaluate_unless_preempted(run: Run) -> dict[str, float]:
@@ -520,6 +545,7 @@ def _finish(run: Run, start: float, start_step: int) -> dict[str, float]:
     metrics = {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / runtime, 3),
                "train_steps_per_second": round(steps / runtime, 3), "train_loss": run.total_loss / max(steps, 1)}
     _log(run, dict(metrics))
+    _sample(run)  # before the reporters' train end (tensorboard closes its writer there)
     run.control = run.handler.on_train_end(run.args, state, run.control)
     evaluated = logged_eval(state.log_history, state.global_step)
     metrics.update(evaluated)

@@ -8,6 +8,8 @@ lock-step with ``synced_gpus=True``: a rank whose sample stops early keeps runni
 stopped (transformers' own mechanism; without it the ranks' gathers would pair up wrongly and hang), and no rank
 ever holds the whole model. Replicated models (ddp, zero1/2, LoRA under them) generate independently.
 Rank 0 writes and reports the rows (:mod:`hftk.telemetry.samples`); the time is logged as ``sample_time_s``.
+The custom loop (:mod:`hftk.engine.loop`) cannot generate sharded: it calls :func:`sample` on rank 0 alone with
+the weights its step consolidates there (``consolidated_model``).
 It runs between optimizer steps (``on_evaluate``, ``on_train_end``), outside the step window
 :class:`hftk.telemetry.metrics.MetricsCallback` times, so it never counts in tokens/s or MFU.
 """
@@ -56,19 +58,22 @@ def stop_reason(tokens: list[int], config: Any) -> str:
     return "eos" if tokens and tokens[-1] in eos_ids else "length"
 
 
-def sample(model: Any, tokenizer: Any, prompts: list[Prompt], cfg: RunConfig, step: int, device: Any) -> list[dict]:
-    """One row per prompt (step, prompt, completion, tokens, stop), on every rank, from ``model`` as it is now
-    (in eval mode). The prompts are dealt out over the ranks (rank r takes prompts r, r + world, ...) and the
-    rows gathered; a sharded model's ranks make the same number of ``generate`` calls (a rank short of prompts
-    repeats its first one and drops the result). Sampling is seeded per prompt from ``training.seed`` and the
-    step, on a forked RNG: the rows do not depend on the world size, and training's RNG stream is untouched."""
+def sample(model: Any, tokenizer: Any, prompts: list[Prompt], cfg: RunConfig, step: int, device: Any,
+           shared: bool = True) -> list[dict]:
+    """One row per prompt (step, prompt, completion, tokens, stop) from ``model`` as it is now (in eval mode).
+    ``shared`` (every rank calls this with the model it trains): the prompts are dealt out over the ranks (rank r
+    takes prompts r, r + world, ...) and the rows gathered to every rank; a sharded model's ranks make the same
+    number of ``generate`` calls (a rank short of prompts repeats its first one and drops the result). Else this
+    one process generates them all (the custom loop's consolidated model on rank 0). Sampling is seeded per prompt
+    from ``training.seed`` and the step, on a forked RNG: the rows do not depend on the world size, and training's
+    RNG stream is untouched."""
     from hftk.comm.collectives import gather_objects
 
     s = cfg.samples
     config = generation_config(model, tokenizer, s.sample_max_new_tokens, s.do_sample, s.temperature, s.top_p)
     dist = torch.distributed
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    synced = is_sharded(model)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if shared and dist.is_initialized() else (1, 0)
+    synced = shared and is_sharded(model)
     mine = list(range(rank, len(prompts), world))
     calls = -(-len(prompts) // world) if synced else len(mine)
     was_training = model.training
@@ -87,7 +92,8 @@ def sample(model: Any, tokenizer: Any, prompts: list[Prompt], cfg: RunConfig, st
                                      "completion": tokenizer.decode(tokens, skip_special_tokens=True)}))
     finally:
         model.train(was_training)
-    return [row for _, row in sorted(r for ranks in gather_objects(rows) for r in ranks)]
+    gathered = gather_objects(rows) if shared else [rows]
+    return [row for _, row in sorted((r for ranks in gathered for r in ranks), key=lambda r: r[0])]
 
 
 class SamplesCallback(TrainerCallback):

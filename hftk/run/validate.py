@@ -79,10 +79,9 @@ def check_samples(cfg: RunConfig, model_config: Any, sources: list[Any] | None =
         return
     field = _samples_field(cfg)
     if sources is None:
-        if strategy_table.spec(cfg.strategy.strategy).engine != "trainer":
-            raise HftkError(field, f"samples during training run on the Trainer strategies (ddp, fsdp, zero1-3, "
-                            f"zero3_offload) so far; {cfg.strategy.strategy} runs on hftk's own loop.",
-                            "use a Trainer strategy, or sample its checkpoints with `hftk generate`.")
+        if strategy_table.spec(cfg.strategy.strategy).engine == "loop" and cfg.model.lora_r:
+            raise HftkError(field, f"samples of a LoRA run under {cfg.strategy.strategy} (hftk's own loop) are not "
+                            "wired yet.", "use a Trainer strategy, or sample its checkpoints with `hftk generate`.")
         if cfg.samples.eval_prompts:
             _check_prompts(cfg, model_config, prompts(cfg, [], 0), field, f"'{cfg.samples.eval_prompts}': prompt")
         return

@@ -265,6 +265,15 @@ class MeshStep:
 
         save_hf_folder(out, self.layout, tokenizer, write_extra)
 
+    def consolidated_model(self) -> torch.nn.Module | None:
+        """Collective: every shard gathered to rank 0, which gets a one-process HF model of the current weights
+        (on this step's device; the other ranks get None). Generation samples run on it: a tensor-, context- or
+        sequence-parallel forward takes whole sequences of fixed shapes, not ``generate``'s growing ones."""
+        from hftk.strategies.mesh_checkpoint import gathered_model
+
+        model = gathered_model(self.layout)
+        return model.to(self.device) if model is not None else None
+
 
 def mesh_step(model: torch.nn.Module, cfg: Any, args: Any, build_layout: Callable[..., MeshLayout]) -> MeshStep:
     """Shard ``model`` with the strategy's ``build_layout`` and wrap it for the loop (bf16 as autocast)."""

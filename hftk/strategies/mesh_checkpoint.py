@@ -48,14 +48,45 @@ def read_state(folder: Path, layout: Any, optimizer: Any) -> None:
     set_state_dict(layout.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def _full_state(layout: Any) -> dict[str, torch.Tensor]:
+    """Collective: every shard gathered; rank 0 gets the full CPU tensors (the others an empty dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(layout.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+PLAIN_SDPA = "hftk_plain_sdpa"  # transformers' own SDPA attention and mask, under a name no strategy replaces
+
+
+def gathered_model(layout: Any) -> torch.nn.Module | None:
+    """Collective: rank 0 gets a runnable one-process HF model of the layout's current weights; the others None.
+
+    It attends as a one-process model does: cp's ring attention (causal, no mask: wrong for a one-token query
+    over a KV cache) and sp's Ulysses (which takes over "sdpa" in this process and would wait for the other
+    ranks) are replaced by transformers' plain SDPA, registered under :data:`PLAIN_SDPA`."""
+    import copy
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    full = _full_state(layout)
+    if dist.get_rank() != 0:
+        return None
+    config = copy.deepcopy(layout.model.config)
+    if config._attn_implementation not in ("eager", "flash_attention_2", "flash_attention_3"):
+        AttentionInterface.register(PLAIN_SDPA, sdpa_attention_forward)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(PLAIN_SDPA, sdpa_mask)
+        config._attn_implementation = PLAIN_SDPA
+    return model_from(config, to_hf_state_dict(full), Path("<live model>"), runnable=True)
+
+
 def save_hf_folder(out: Path, layout: Any, tokenizer: Any, write_extra: Callable[[Path], None]) -> None:
     """Collective: gather every shard to rank 0, which writes a standard HF folder; it appears whole or not at all.
 
     ``write_extra(folder)`` adds files beside the weights on rank 0 (the run record and model card).
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(layout.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = _full_state(layout)
     with staged_folder(Path(out), publisher=dist.get_rank() == 0) as folder:
         if dist.get_rank() == 0:
             model = model_from(layout.model.config, to_hf_state_dict(full), Path(out))

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hftk.comm.collectives import all_reduce_flat
+from hftk.comm.collectives import all_reduce_flat, gather_objects
 from hftk.config.family_table import FAMILIES, supported_families
 from hftk.config.options import RunConfig, StrategyConfig
 from hftk.core.errors import HftkError
@@ -636,6 +636,22 @@ class PipelineStep:
 
     def load(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
         load_state(self.rt, optimizer, folder)
+
+    def consolidated_model(self) -> nn.Module | None:
+        """Collective: replica 0's stages gathered to rank 0, which gets a one-process HF model of the current
+        weights (on this step's device; the other ranks get None). Generation samples run on it: a pipeline
+        schedule runs fixed-shape micro-batches, not ``generate``'s token-by-token forwards."""
+        from hftk.checkpoint.hf_folder import model_from
+
+        mine = {k: v.detach().to("cpu") for stage in self.rt.stages for k, v in stage.full_state_dict().items()} \
+            if self.topo.dp_rank == 0 else {}
+        pieces = gather_objects(mine)
+        if dist.get_rank() != 0:
+            return None
+        state = {k: v for piece in pieces for k, v in piece.items()}
+        if self.rt.tied_names:  # the head is the embedding's tensor: model_from ties it again
+            state.pop(self.rt.tied_names[1], None)
+        return model_from(self.config, state, Path("<live model>"), runnable=True).to(self.device)
 
     def save_final(self, out: Path, tokenizer: Any, write_extra: Any, step: int) -> None:
         """Collective: the stages written once more, then rank 0 consolidates them into one HF folder."""

@@ -1,6 +1,6 @@
 """Samples during training on 2 gloo ranks: at every evaluation the samples equal, token for token (greedy,
 fp32), what one process's plain ``model.generate`` makes on the checkpoint saved at that step, under ddp, zero3,
-fsdp and LoRA (ddp); under zero3 and fsdp a prompt that stops at EOS at once on one rank and one that runs to the
+fsdp and LoRA (ddp) on the Trainer, and tp, cp, pipeline and sp (weights consolidated on rank 0) on hftk's loop; under zero3 and fsdp a prompt that stops at EOS at once on one rank and one that runs to the
 limit on the other (the classic sharded-generation hang) finish under the timeout; ``samples.jsonl``, the
 tensorboard text and the wandb table hold the rows; the time is its own metric.
 
@@ -31,7 +31,12 @@ COMMON = ["--max_steps", str(STEPS), "--learning_rate", "5e-3", "--per_device_tr
           "--eval_strategy", "steps", "--eval_steps", "1", "--save_strategy", "steps", "--save_steps", "1",
           "--max_eval_samples", "2", "--chat_template", "chatml", "--sample_max_new_tokens", str(NEW)]
 RUNS = {"ddp": ["--report_to", "tensorboard"], "lora": ["--lora_r", "4", "--learning_rate", "0.1", "--report_to", "wandb"], "zero3": ["--strategy", "zero3"],
-        "fsdp": ["--strategy", "fsdp"]}
+        "fsdp": ["--strategy", "fsdp"],
+        # hftk's own loop: generated on the weights consolidated on rank 0
+        "tp": ["--strategy", "tp", "--tp_size", "2"], "cp": ["--strategy", "cp", "--cp_size", "2"],
+        "pipeline": ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2"],
+        "sp": ["--strategy", "sp", "--sp_size", "2", "--model_name_or_path", "builtin:llama-tiny", "--learning_rate",
+               "1e-2"]}
 UNEVEN = ["zero3", "fsdp"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
