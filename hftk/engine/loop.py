@@ -519,10 +519,13 @@ def _sample(run: Run) -> None:
     model = run.step.consolidated_model()
     if model is not None:
         cfg = run.prepared.cfg
-        rows = samples.sample(model, run.tokenizer, run.prompts, cfg, step, run.step.device, shared=False)
-        report_samples(rows, cfg.output_dir, run.handler.callbacks, run.args, step)
+        rows = samples.sample(model, run.tokenizer, run.prompts, cfg, step, run.step.device, shared=False,
+                              signal=run.signal)
+        if run.signal.received is None:  # else the rows stopped short: the ranks agree to stop just below
+            report_samples(rows, cfg.output_dir, run.handler.callbacks, run.args, step)
         del model
     dist.barrier()
+    check_evaluation(run.signal, run.step.device)  # a preemption on any rank: all raise EvaluationInterrupted
     _log(run, {"sample_time_s": time.perf_counter() - start})
 
 
@@ -545,11 +548,16 @@ def _finish(run: Run, start: float, start_step: int) -> dict[str, float]:
     metrics = {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / runtime, 3),
                "train_steps_per_second": round(steps / runtime, 3), "train_loss": run.total_loss / max(steps, 1)}
     _log(run, dict(metrics))
-    _sample(run)  # before the reporters' train end (tensorboard closes its writer there)
+    try:
+        _sample(run)  # before the reporters' train end (tensorboard closes its writer there)
+    except EvaluationInterrupted as stop:
+        run.exit_code, run.stop_reason = EXIT_PREEMPTED, f"preempted ({stop}) during sampling"
     run.control = run.handler.on_train_end(run.args, state, run.control)
     evaluated = logged_eval(state.log_history, state.global_step)
     metrics.update(evaluated)
-    if run.eval_set is not None and not evaluated:
+    if run.exit_code is not None:  # preempted while sampling: saved here, no final evaluation
+        _save_checkpoint(run)
+    elif run.eval_set is not None and not evaluated:
         metrics.update(_evaluate_unless_preempted(run))
         if run.exit_code is not None:
             _save_checkpoint(run)

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
+from transformers import StoppingCriteria, StoppingCriteriaList, TrainerCallback
 
 from hftk.config.options import RunConfig
 from hftk.data.dataset import heldout_prompts
+from hftk.engine.resilience import EXIT_PREEMPTED, EvaluationInterrupted, PreemptionSignal, check_evaluation, step_guard
 from hftk.publish.generate import generate, generation_config, read_prompts
 from hftk.telemetry.samples import report_samples
 
@@ -58,15 +59,27 @@ def stop_reason(tokens: list[int], config: Any) -> str:
     return "eos" if tokens and tokens[-1] in eos_ids else "length"
 
 
+class StopOnSignal(StoppingCriteria):
+    """Ends a ``generate`` at the next token once this rank has seen a preemption signal (no collective: the
+    ranks agree after the prompt, :func:`hftk.engine.resilience.check_evaluation`)."""
+
+    def __init__(self, signal: PreemptionSignal) -> None:
+        self.signal = signal
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.signal.received is not None, device=input_ids.device)
+
+
 def sample(model: Any, tokenizer: Any, prompts: list[Prompt], cfg: RunConfig, step: int, device: Any,
-           shared: bool = True) -> list[dict]:
+           shared: bool = True, signal: PreemptionSignal | None = None) -> list[dict]:
     """One row per prompt (step, prompt, completion, tokens, stop) from ``model`` as it is now (in eval mode).
     ``shared`` (every rank calls this with the model it trains): the prompts are dealt out over the ranks (rank r
     takes prompts r, r + world, ...) and the rows gathered to every rank; a sharded model's ranks make the same
     number of ``generate`` calls (a rank short of prompts repeats its first one and drops the result). Else this
     one process generates them all (the custom loop's consolidated model on rank 0). Sampling is seeded per prompt
     from ``training.seed`` and the step, on a forked RNG: the rows do not depend on the world size, and training's
-    RNG stream is untouched."""
+    RNG stream is untouched. ``signal``: a preemption ends the current ``generate`` at its next token, and (shared)
+    every rank raises :class:`EvaluationInterrupted` after the same call, as an evaluation does after a batch."""
     from hftk.comm.collectives import gather_objects
 
     s = cfg.samples
@@ -75,7 +88,8 @@ def sample(model: Any, tokenizer: Any, prompts: list[Prompt], cfg: RunConfig, st
     world, rank = (dist.get_world_size(), dist.get_rank()) if shared and dist.is_initialized() else (1, 0)
     synced = shared and is_sharded(model)
     mine = list(range(rank, len(prompts), world))
-    calls = -(-len(prompts) // world) if synced else len(mine)
+    calls = -(-len(prompts) // world) if shared else len(mine)  # the same count on every rank: they agree after each
+    stop = StoppingCriteriaList([StopOnSignal(signal)]) if signal is not None else None
     was_training = model.training
     model.eval()
     rows: list[tuple[int, dict]] = []
@@ -83,9 +97,13 @@ def sample(model: Any, tokenizer: Any, prompts: list[Prompt], cfg: RunConfig, st
     try:
         for call in range(calls):
             index = mine[call] if call < len(mine) else (mine or [0])[0]
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(int(cfg.args.seed) + step * len(prompts) + index)
-                tokens = generate(model, tokenizer, prompts[index], config, synced_gpus=synced, device=device).tolist()
+            if call < len(mine) or synced:  # a rank short of prompts generates only where its forwards are needed
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(int(cfg.args.seed) + step * len(prompts) + index)
+                    tokens = generate(model, tokenizer, prompts[index], config, synced_gpus=synced, device=device,
+                                      stopping_criteria=stop).tolist()
+            if signal is not None and shared:
+                check_evaluation(signal, device)
             if call < len(mine):
                 rows.append((index, {"step": step, "prompt": prompts[index], "tokens": tokens,
                                      "stop": stop_reason(tokens, config),
@@ -119,9 +137,15 @@ class SamplesCallback(TrainerCallback):
             return
         self.sampled.add(step)
         trainer = self.trainer
+        guard = step_guard(trainer)
         start = time.perf_counter()
-        rows = sample(trainer.accelerator.unwrap_model(trainer.model), trainer.processing_class, self.prompts,
-                      self.cfg, step, args.device)
+        try:
+            rows = sample(trainer.accelerator.unwrap_model(trainer.model), trainer.processing_class, self.prompts,
+                          self.cfg, step, args.device, signal=guard.signal)
+        except EvaluationInterrupted as stop:  # leaves the Trainer; ``guarded`` saves and exits as for an evaluation
+            if guard.exit_code is None:
+                guard.exit_code, guard.reason = EXIT_PREEMPTED, f"preempted ({stop}) during sampling"
+            raise
         seconds = time.perf_counter() - start
         if state.is_world_process_zero:
             report_samples(rows, Path(args.output_dir), trainer.callback_handler.callbacks, args, step)

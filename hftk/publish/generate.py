@@ -104,17 +104,18 @@ def generation_config(model: Any, tokenizer: Any, max_new_tokens: int, do_sample
 
 
 def generate(model: Any, tokenizer: Any, prompt: str | list[dict[str, str]], config: Any, stream: bool = False,
-             synced_gpus: bool = False, device: Any = None) -> torch.Tensor:
+             synced_gpus: bool = False, device: Any = None, stopping_criteria: Any = None) -> torch.Tensor:
     """The new token ids for one prompt (greedy unless ``config`` samples); streamed to stdout if asked.
     ``synced_gpus``: every rank of a sharded model calls this in lock-step (ranks that stop early keep
-    running forwards until all have stopped, transformers' own mechanism)."""
+    running forwards until all have stopped, transformers' own mechanism); ``stopping_criteria``: transformers'
+    ``StoppingCriteriaList``, checked after every token."""
     from transformers import TextStreamer
 
     ids = input_ids(tokenizer, prompt).to(device or "cpu")
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=streamer,
-                             synced_gpus=synced_gpus)
+                             synced_gpus=synced_gpus, stopping_criteria=stopping_criteria)
     return out[0, ids.shape[1]:]
 
 

@@ -189,3 +189,29 @@ def test_wandb_offline_run_holds_a_samples_table_per_step(runs):
     assert all(t["columns"] == ["step", "prompt", "completion", "num_tokens", "stop"] for t in logged)
     assert sorted((r[0], r[2], r[3], r[4]) for t in logged for r in t["data"]) == sorted(
         (s["step"], s["completion"], len(s["tokens"]), s["stop"]) for s in samples(root / "lora"))
+
+
+@pytest.mark.parametrize("engine", ["trainer", "tp"])
+def test_sigterm_during_sampling_stops_at_the_next_token_saves_and_exits_75(engine, tmp_path):
+    """Sampling at the end of training (no evaluation) with every eval-mode block forward slowed to 1 s: the
+    prompts would take minutes, far past torchrun's grace period. A SIGTERM as scancel sends it ends the current
+    ``generate`` at its next token; the ranks agree, save the step and exit 75, as during an evaluation."""
+    from hftk.checkpoint.atomic import is_complete, list_checkpoints
+    from tests.faults import start
+    from tests.integration.test_resilience import (ENGINES, EVAL_SLEEP_S, GRACE_S, WORKERS, exit_codes,
+                                                   sigterm_as_scancel_does, wait_for_output)
+    from tests.helpers import TINY_ARGS
+    from tests.workers.slow_eval import EVAL_MARKER
+
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"And God said {i}"}) + "\n" for i in range(4)))
+    args = [*TINY_ARGS, "--max_steps", "2", "--per_device_train_batch_size", "4", "--sample_max_new_tokens", "32",
+            "--eval_prompts", str(tmp_path / "prompts.jsonl"), *ENGINES[engine]]
+    run = start(2, args, tmp_path / "run", script=WORKERS / "slow_eval.py",
+                env={"HFTK_EVAL_SLEEP_S": str(EVAL_SLEEP_S), "HFTK_EXIT_DIR": str(tmp_path / "exit")})
+    wait_for_output(run, EVAL_MARKER, timeout=300)  # the first eval-mode forward: sampling has started
+    stopped, seconds = sigterm_as_scancel_does(run)
+    assert exit_codes(tmp_path / "exit") == {"rank-0": 75, "rank-1": 75}, stopped.output[-5000:]
+    assert "hftk: stopped at step 2: preempted (SIGTERM) during sampling" in stopped.stderr, stopped.stderr[-4000:]
+    assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["checkpoint-2"]
+    assert is_complete(tmp_path / "run" / "checkpoint-2") and seconds < GRACE_S
+    assert not (tmp_path / "run" / "samples.jsonl").exists() and not (tmp_path / "run" / "final").exists()
