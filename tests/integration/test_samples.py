@@ -1,6 +1,7 @@
 """Samples during training on 2 gloo ranks: at every evaluation the samples equal, token for token (greedy,
-fp32), what one process's plain ``model.generate`` makes on the checkpoint saved at that step, under ddp, zero3,
-fsdp and LoRA (ddp) on the Trainer, and tp, cp, pipeline and sp (weights consolidated on rank 0) on hftk's loop; under zero3 and fsdp a prompt that stops at EOS at once on one rank and one that runs to the
+fp32), what one process's plain ``model.generate`` makes on the checkpoint saved at that step, under ddp, zero2,
+zero3, zero3_offload, fsdp and LoRA (ddp) on the Trainer, and tp, cp, pipeline and sp (weights consolidated on
+rank 0) on hftk's loop, and for held-out conversations' prompts (``--num_eval_samples``); under zero3 and fsdp a prompt that stops at EOS at once on one rank and one that runs to the
 limit on the other (the classic sharded-generation hang) finish under the timeout; ``samples.jsonl``, the
 tensorboard text and the wandb table hold the rows; the time is its own metric.
 
@@ -31,7 +32,7 @@ COMMON = ["--max_steps", str(STEPS), "--learning_rate", "5e-3", "--per_device_tr
           "--eval_strategy", "steps", "--eval_steps", "1", "--save_strategy", "steps", "--save_steps", "1",
           "--max_eval_samples", "2", "--chat_template", "chatml", "--sample_max_new_tokens", str(NEW)]
 RUNS = {"ddp": ["--report_to", "tensorboard"], "lora": ["--lora_r", "4", "--learning_rate", "0.1", "--report_to", "wandb"], "zero3": ["--strategy", "zero3"],
-        "fsdp": ["--strategy", "fsdp"],
+        "fsdp": ["--strategy", "fsdp"], "zero2": ["--strategy", "zero2"], "zero3_offload": ["--strategy", "zero3_offload"],
         # hftk's own loop: generated on the weights consolidated on rank 0
         "tp": ["--strategy", "tp", "--tp_size", "2"], "cp": ["--strategy", "cp", "--cp_size", "2"],
         "pipeline": ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2"],
@@ -89,6 +90,12 @@ def runs(tmp_path_factory):
     (root / "uneven.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (stop_now, run_on)))
     cells = {name: [*COMMON, *extra, "--eval_prompts", str(root / "prompts.jsonl"), "--output_dir", str(root / name)]
              for name, extra in RUNS.items()}
+    conversations = [{"messages": [{"role": "user", "content": f"Say verse {i}."},
+                                   {"role": "assistant", "content": f"Verse {i}: and God saw that it was good."}]}
+                     for i in range(80)]
+    (root / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in conversations))
+    cells["heldout"] = [*COMMON, "--dataset", str(root / "chat.jsonl"), "--num_eval_samples", "2",
+                        "--output_dir", str(root / "heldout")]
     for strategy in UNEVEN:
         cells[f"uneven_{strategy}"] = [
             "--strategy", strategy, "--model_name_or_path", str(folder), "--max_steps", "1", "--learning_rate", "1e-8",
@@ -215,3 +222,22 @@ def test_sigterm_during_sampling_stops_at_the_next_token_saves_and_exits_75(engi
     assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["checkpoint-2"]
     assert is_complete(tmp_path / "run" / "checkpoint-2") and seconds < GRACE_S
     assert not (tmp_path / "run" / "samples.jsonl").exists() and not (tmp_path / "run" / "final").exists()
+
+
+def test_held_out_prompts_are_the_conversations_before_their_last_answer(runs):
+    """--num_eval_samples 2 on conversations: the first two held-out rows (``train_test_split`` with the run's
+    fraction and seed, as the Trainer's data), without their assistant turn, through the saved chat template."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, _ = runs
+    held_out = datasets.load_dataset("json", data_files=str(root / "chat.jsonl"))["train"].train_test_split(
+        test_size=0.05, seed=7, shuffle=True)["test"]
+    prompts = [row["messages"][:-1] for row in held_out.select(range(2))]
+    rows = samples(root / "heldout")
+    assert [(r["step"], r["prompt"]) for r in rows] == [(s, p) for s in range(1, STEPS + 1) for p in prompts]
+    for step in range(1, STEPS + 1):
+        checkpoint = root / "heldout" / f"checkpoint-{step}"
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
+        for prompt, row in zip(prompts, [r for r in rows if r["step"] == step]):
+            assert row["tokens"] == _greedy(model, tokenizer, _ids(tokenizer, {"messages": prompt})), (step, prompt)
