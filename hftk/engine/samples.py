@@ -52,6 +52,14 @@ def is_sharded(model: Any) -> bool:
     return any(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in model.parameters())
 
 
+def _fsdp_root(model: Any) -> Any:
+    """The FSDP2 root module when ``model`` is one. PEFT's ``generate`` calls the inner model's forward, skipping
+    the root's hook that gathers its parameters, so the root is gathered around the whole sampling instead."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return model if isinstance(model, FSDPModule) else None
+
+
 def stop_reason(tokens: list[int], config: Any) -> str:
     """``eos`` when the last new token is one of the config's EOS ids, else ``length``."""
     eos = config.eos_token_id
@@ -94,6 +102,9 @@ def sample(model: Any, tokenizer: Any, prompts: list[Prompt], cfg: RunConfig, st
     model.eval()
     rows: list[tuple[int, dict]] = []
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    root = _fsdp_root(model) if shared else None
+    if root is not None:
+        root.unshard()  # collective: the root's own group only (embeddings, final norm, head); blocks gather themselves
     try:
         for call in range(calls):
             index = mine[call] if call < len(mine) else (mine or [0])[0]
@@ -109,6 +120,8 @@ def sample(model: Any, tokenizer: Any, prompts: list[Prompt], cfg: RunConfig, st
                                      "stop": stop_reason(tokens, config),
                                      "completion": tokenizer.decode(tokens, skip_special_tokens=True)}))
     finally:
+        if root is not None:
+            root.reshard()
         model.train(was_training)
     gathered = gather_objects(rows) if shared else [rows]
     return [row for _, row in sorted((r for ranks in gathered for r in ranks), key=lambda r: r[0])]

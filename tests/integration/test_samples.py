@@ -1,6 +1,6 @@
 """Samples during training on 2 gloo ranks: at every evaluation the samples equal, token for token (greedy,
 fp32), what one process's plain ``model.generate`` makes on the checkpoint saved at that step, under ddp, zero2,
-zero3, zero3_offload, fsdp, LoRA and QLoRA (ddp) on the Trainer, and tp, cp, pipeline and sp (weights consolidated on
+zero3, zero3_offload, fsdp, LoRA (ddp, fsdp, zero3) and QLoRA (ddp) on the Trainer, and tp, cp, pipeline and sp (weights consolidated on
 rank 0) on hftk's loop, and for held-out conversations' prompts (``--num_eval_samples``); under zero3 and fsdp a prompt that stops at EOS at once on one rank and one that runs to the
 limit on the other (the classic sharded-generation hang) finish under the timeout; ``samples.jsonl``, the
 tensorboard text and the wandb table hold the rows; the time is its own metric.
@@ -32,7 +32,9 @@ COMMON = ["--max_steps", str(STEPS), "--learning_rate", "5e-3", "--per_device_tr
           "--eval_strategy", "steps", "--eval_steps", "1", "--save_strategy", "steps", "--save_steps", "1",
           "--max_eval_samples", "2", "--chat_template", "chatml", "--sample_max_new_tokens", str(NEW)]
 RUNS = {"ddp": ["--report_to", "tensorboard"], "lora": ["--lora_r", "4", "--learning_rate", "0.1", "--report_to", "wandb"],
-        "qlora": ["--lora_r", "4", "--load_in_4bit", "--learning_rate", "0.1"], "zero3": ["--strategy", "zero3"],
+        "qlora": ["--lora_r", "4", "--load_in_4bit", "--learning_rate", "0.1"],
+        "lora_fsdp": ["--lora_r", "4", "--learning_rate", "0.1", "--strategy", "fsdp", "--fsdp_state_dict", "full"],
+        "lora_zero3": ["--lora_r", "4", "--learning_rate", "0.1", "--strategy", "zero3"], "zero3": ["--strategy", "zero3"],
         "fsdp": ["--strategy", "fsdp"], "zero2": ["--strategy", "zero2"], "zero3_offload": ["--strategy", "zero3_offload"],
         # hftk's own loop: generated on the weights consolidated on rank 0
         "tp": ["--strategy", "tp", "--tp_size", "2"], "cp": ["--strategy", "cp", "--cp_size", "2"],
@@ -120,7 +122,7 @@ def _reference_model(run: str, checkpoint: Path):
     from hftk.data.builtin import materialize_model
     from hftk.publish.generate import load
 
-    if run == "lora":
+    if run.startswith("lora"):
         return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(materialize_model("builtin:gpt2-tiny")),
                                          checkpoint)
     if run == "qlora":  # the base quantized as the run's defaults say (nf4, double quantization, fp32 compute)
