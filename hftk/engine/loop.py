@@ -516,7 +516,7 @@ def _sample(run: Run) -> None:
         return
     run.sampled.add(step)
     start = time.perf_counter()
-    model = run.step.consolidated_model()
+    model = run.step.consolidated_model(run.adapter[0] if run.adapter is not None else None)
     if model is not None:
         cfg = run.prepared.cfg
         rows = samples.sample(model, run.tokenizer, run.prompts, cfg, step, run.step.device, shared=False,

@@ -45,7 +45,7 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
         cfg.strategy.strategy = estimate.resolve_auto(cfg, model_config, world_size)
     support.check_method(cfg.strategy.strategy, cfg.preference.method)  # after auto: the strategy that runs
     strategy_table.get(cfg.strategy.strategy).validate(cfg, world_size)
-    validate.check_samples(cfg, model_config)  # after auto: the strategy's engine generates
+    validate.check_samples(cfg, model_config)  # the prompt file's rows, with the run's tokenizer and template
     if read_tokenized and cfg.data.tokenized_path:
         from hftk.run import preprocess
 

@@ -68,10 +68,9 @@ def check_samples_options(cfg: RunConfig) -> None:
 
 
 def check_samples(cfg: RunConfig, model_config: Any, sources: list[Any] | None = None) -> None:
-    """Samples need the Trainer engine; every prompt must render (messages through the run's chat template) and
-    fit the context with ``sample_max_new_tokens``. ``sources``: the datasets, for ``num_eval_samples`` (None: the
-    prompt file is checked)."""
-    from hftk.config import strategy_table
+    """Every sample prompt must render (messages through the run's chat template) and fit the context with
+    ``sample_max_new_tokens``. ``sources``: the datasets, for ``num_eval_samples`` (None: the prompt file is
+    checked)."""
     from hftk.data.dataset import heldout_prompts
     from hftk.engine.samples import prompts, requested
 
@@ -79,9 +78,6 @@ def check_samples(cfg: RunConfig, model_config: Any, sources: list[Any] | None =
         return
     field = _samples_field(cfg)
     if sources is None:
-        if strategy_table.spec(cfg.strategy.strategy).engine == "loop" and cfg.model.lora_r:
-            raise HftkError(field, f"samples of a LoRA run under {cfg.strategy.strategy} (hftk's own loop) are not "
-                            "wired yet.", "use a Trainer strategy, or sample its checkpoints with `hftk generate`.")
         if cfg.samples.eval_prompts:
             _check_prompts(cfg, model_config, prompts(cfg, [], 0), field, f"'{cfg.samples.eval_prompts}': prompt")
         return

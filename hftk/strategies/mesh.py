@@ -265,10 +265,11 @@ class MeshStep:
 
         save_hf_folder(out, self.layout, tokenizer, write_extra)
 
-    def consolidated_model(self) -> torch.nn.Module | None:
+    def consolidated_model(self, adapter: Any = None) -> torch.nn.Module | None:
         """Collective: every shard gathered to rank 0, which gets a one-process HF model of the current weights
         (on this step's device; the other ranks get None). Generation samples run on it: a tensor-, context- or
-        sequence-parallel forward takes whole sequences of fixed shapes, not ``generate``'s growing ones."""
+        sequence-parallel forward takes whole sequences of fixed shapes, not ``generate``'s growing ones.
+        ``adapter`` is always None here: tp, cp and sp refuse LoRA."""
         from hftk.strategies.mesh_checkpoint import gathered_model
 
         model = gathered_model(self.layout)

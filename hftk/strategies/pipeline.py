@@ -637,10 +637,11 @@ class PipelineStep:
     def load(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
         load_state(self.rt, optimizer, folder)
 
-    def consolidated_model(self) -> nn.Module | None:
+    def consolidated_model(self, adapter: Any = None) -> nn.Module | None:
         """Collective: replica 0's stages gathered to rank 0, which gets a one-process HF model of the current
         weights (on this step's device; the other ranks get None). Generation samples run on it: a pipeline
-        schedule runs fixed-shape micro-batches, not ``generate``'s token-by-token forwards."""
+        schedule runs fixed-shape micro-batches, not ``generate``'s token-by-token forwards. ``adapter``: the
+        run's PEFT config (LoRA): the copy is the base with that adapter, under the names the stages hold."""
         from hftk.checkpoint.hf_folder import model_from
 
         mine = {k: v.detach().to("cpu") for stage in self.rt.stages for k, v in stage.full_state_dict().items()} \
@@ -649,9 +650,11 @@ class PipelineStep:
         if dist.get_rank() != 0:
             return None
         state = {k: v for piece in pieces for k, v in piece.items()}
-        if self.rt.tied_names:  # the head is the embedding's tensor: model_from ties it again
+        if self.rt.tied_names:  # the head is the embedding's tensor: the model ties it again
             state.pop(self.rt.tied_names[1], None)
-        return model_from(self.config, state, Path("<live model>"), runnable=True).to(self.device)
+        if adapter is None:
+            return model_from(self.config, state, Path("<live model>"), runnable=True).to(self.device)
+        return _peft_model(self.config, adapter, state).to(self.device)
 
     def save_final(self, out: Path, tokenizer: Any, write_extra: Any, step: int) -> None:
         """Collective: the stages written once more, then rank 0 consolidates them into one HF folder."""
@@ -675,6 +678,24 @@ class PipelineStep:
                 check_complete(final, shapes_of(model))
                 shutil.rmtree(stages)
                 write_extra(final)
+
+
+def _peft_model(config: Any, adapter: Any, state: dict[str, torch.Tensor]) -> nn.Module:
+    """The base built from ``config`` with PEFT's ``adapter`` on it, holding ``state`` (PeftModel names)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = get_peft_model(AutoModelForCausalLM.from_config(config), adapter)
+    _, unexpected = model.load_state_dict(state, strict=False)
+    model.get_base_model().tie_weights()  # the head dropped above is the embedding's tensor again
+    loaded = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in state}
+    missing = [name for name, p in model.named_parameters(remove_duplicate=False) if id(p) not in loaded]
+    if unexpected or missing:
+        raise HftkError("strategy.pp_size", f"the gathered stages do not match the model: missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}.", "report this: the stages should hold every weight.")
+    return model
 
 
 def build_step(model: nn.Module, cfg: RunConfig, args: Any) -> PipelineStep:

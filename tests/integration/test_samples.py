@@ -39,6 +39,8 @@ RUNS = {"ddp": ["--report_to", "tensorboard"], "lora": ["--lora_r", "4", "--lear
         # hftk's own loop: generated on the weights consolidated on rank 0
         "tp": ["--strategy", "tp", "--tp_size", "2"], "cp": ["--strategy", "cp", "--cp_size", "2"],
         "pipeline": ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2"],
+        "lora_pipeline": ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2", "--lora_r", "4",
+                          "--learning_rate", "0.1"],
         "sp": ["--strategy", "sp", "--sp_size", "2", "--model_name_or_path", "builtin:llama-tiny", "--learning_rate",
                "1e-2"]}
 UNEVEN = ["zero3", "fsdp"]

@@ -439,8 +439,7 @@ MESSAGES = {"messages": [{"role": "user", "content": "hi"}]}
     ([], TEXT_ROWS, [], "samples.eval_prompts", "holds no rows"),
     ([PROMPT, MESSAGES], TEXT_ROWS, [], "samples.eval_prompts", "prompt 2: a messages row needs a chat template"),
     ([{"prompt": "word " * 250}], TEXT_ROWS, [], "samples.eval_prompts", "exceeds the model's context length 256"),
-    ([PROMPT], TEXT_ROWS, ["--strategy", "pipeline", "--pp_size", "2", "--lora_r", "4"], "samples.eval_prompts",
-     "not wired yet"),
+    ([PROMPT], TEXT_ROWS, ["--method", "dpo"], "samples.eval_prompts", "not wired into the dpo method"),
     ([PROMPT], TEXT_ROWS, ["--num_eval_samples", "2"], "samples.num_eval_samples", "together with"),
     ([PROMPT], TEXT_ROWS, ["--temperature", "0.7"], "samples.temperature", "greedy decoding ignores it"),
     ([PROMPT], TEXT_ROWS, ["--do_sample", "--top_p", "1.5"], "samples.top_p", "in (0, 1]"),
@@ -456,7 +455,7 @@ def test_samples_bad_input_is_one_line_before_launch(tmp_path, monkeypatch, prom
 
     from hftk.run.prepare import prepare
 
-    monkeypatch.setenv("WORLD_SIZE", "2" if "pipeline" in extra else "1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in data))
     argv = ["--model_name_or_path", "builtin:gpt2-tiny", "--dataset", str(tmp_path / "data.jsonl"),
             "--output_dir", str(tmp_path / "out"), "--report_to", "none", *extra]
