@@ -351,8 +351,9 @@ def split_rows(cfg: DataConfig, raw: Any, seed: int) -> tuple[Any, Any | None]:
 
 
 def heldout_prompts(sources: list[Source], count: int, seed: int) -> list[str | list[dict[str, Any]]]:
-    """The prompt part of the first ``count`` held-out rows, dataset after dataset: a pair's prompt, a
-    conversation's turns before its last assistant turn (rendered later with the generation prompt)."""
+    """The prompt part of the first ``count`` held-out rows, dataset after dataset: a pair's (or a preference
+    pair's) prompt, a conversation's turns before its last assistant turn (rendered later with the generation
+    prompt)."""
     prompts: list[str | list[dict[str, Any]]] = []
     for source in sources:
         evals = split_rows(source.cfg, source.raw, seed)[1]

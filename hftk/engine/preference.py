@@ -61,6 +61,7 @@ def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
                          processing_class=tokenizer)
     for callback in trainer_engine.run_callbacks(prepared, trainer, strategy):
         trainer.add_callback(callback)
+    trainer_engine.add_samples(prepared, trainer)  # the policy's samples (the reference is never sampled)
     startup.mark("trainer")
     return trainer, strategy, _Data(train=trainer.train_dataset, eval=trainer.eval_dataset)
 

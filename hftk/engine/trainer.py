@@ -129,6 +129,15 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
     return callbacks
 
 
+def add_samples(prepared: PreparedRun, trainer: Any) -> None:
+    """Generation samples when the run asks for them (the samples options), first in line: at train end they are
+    generated before tensorboard closes its writer."""
+    cfg = prepared.cfg
+    if samples.requested(cfg):
+        trainer.callback_handler.callbacks.insert(0, samples.SamplesCallback(
+            trainer, cfg, samples.prompts(cfg, prepared.sources, trainer.args.seed)))
+
+
 def load_data(prepared: PreparedRun, seed: int) -> tuple[Any, Any]:
     """Tokenizer and tokenised blocks, shared by every engine: each node's rank 0 tokenises first, the
     others wait on the launcher's store (no collective: a long tokenisation never meets ``ddp_timeout``),
@@ -175,9 +184,7 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     count_flops_once(trainer)
     for callback in run_callbacks(prepared, trainer, strategy):
         trainer.add_callback(callback)
-    if samples.requested(cfg):  # first in line: at train end it samples before tensorboard closes its writer
-        trainer.callback_handler.callbacks.insert(0, samples.SamplesCallback(
-            trainer, cfg, samples.prompts(cfg, prepared.sources, args.seed)))
+    add_samples(prepared, trainer)
     startup.mark("trainer")
     return trainer, strategy, data
 

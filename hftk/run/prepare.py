@@ -54,6 +54,7 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
                            world_size=world_size, tokenized=tokenized)
     if cfg.preference.method == "dpo":  # TRL's DPOTrainer tokenises the pairs; only the rows are checked here
         sources = load_preference_sources(cfg.data)
+        validate.check_samples(cfg, model_config, sources)  # num_eval_samples: the held-out pairs' prompts
         resolve_model_path(cfg.model)
         return PreparedRun(cfg=cfg, model_config=model_config, raw=sources[0].raw, data_format=sources[0].fmt,
                            world_size=world_size, sources=sources)

@@ -46,7 +46,6 @@ def _samples_field(cfg: RunConfig) -> str:
 
 def check_samples_options(cfg: RunConfig) -> None:
     """The samples options' combinations, and the prompt file's rows (read, not yet rendered)."""
-    from hftk.engine.samples import requested
     from hftk.publish.generate import read_prompts
 
     s = cfg.samples
@@ -57,9 +56,6 @@ def check_samples_options(cfg: RunConfig) -> None:
     if s.eval_prompts and s.num_eval_samples:
         raise HftkError("samples.num_eval_samples", "is set together with samples.eval_prompts.",
                         "choose one source of sample prompts.")
-    if requested(cfg) and cfg.preference.method == "dpo":
-        raise HftkError(_samples_field(cfg), "samples during training are not wired into the dpo method yet.",
-                        "sample the checkpoints afterwards with `hftk generate`.")
     if s.num_eval_samples and cfg.data.tokenized_path:
         raise HftkError("samples.num_eval_samples", "needs the held-out rows, and data.tokenized_path holds only "
                         "their blocks.", "pass --eval_prompts FILE instead.")

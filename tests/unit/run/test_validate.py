@@ -439,7 +439,6 @@ MESSAGES = {"messages": [{"role": "user", "content": "hi"}]}
     ([], TEXT_ROWS, [], "samples.eval_prompts", "holds no rows"),
     ([PROMPT, MESSAGES], TEXT_ROWS, [], "samples.eval_prompts", "prompt 2: a messages row needs a chat template"),
     ([{"prompt": "word " * 250}], TEXT_ROWS, [], "samples.eval_prompts", "exceeds the model's context length 256"),
-    ([PROMPT], TEXT_ROWS, ["--method", "dpo"], "samples.eval_prompts", "not wired into the dpo method"),
     ([PROMPT], TEXT_ROWS, ["--num_eval_samples", "2"], "samples.num_eval_samples", "together with"),
     ([PROMPT], TEXT_ROWS, ["--temperature", "0.7"], "samples.temperature", "greedy decoding ignores it"),
     ([PROMPT], TEXT_ROWS, ["--do_sample", "--top_p", "1.5"], "samples.top_p", "in (0, 1]"),
