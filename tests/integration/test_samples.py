@@ -1,10 +1,11 @@
 """Samples during training on 2 gloo ranks: at every evaluation the samples equal, token for token (greedy,
 fp32), what one process's plain ``model.generate`` makes on the checkpoint saved at that step, under ddp, zero2,
-zero3, zero3_offload, fsdp, LoRA (ddp, fsdp, zero3) and QLoRA (ddp) on the Trainer, and tp, cp, pipeline and sp (weights consolidated on
-rank 0) on hftk's loop, and for held-out conversations' and preference pairs' (dpo) prompts
-(``--num_eval_samples``); under zero3 and fsdp a prompt that stops at EOS at once on one rank and one that runs to the
-limit on the other (the classic sharded-generation hang) finish under the timeout; ``samples.jsonl``, the
-tensorboard text and the wandb table hold the rows; the time is its own metric.
+zero3, zero3_offload, fsdp, LoRA (ddp, fsdp, zero3) and QLoRA (ddp) on the Trainer, tp, cp, pipeline, LoRA under
+pipeline and sp (weights consolidated on rank 0) on hftk's loop, and for held-out conversations' and preference
+pairs' (dpo) prompts (``--num_eval_samples``); under zero3 and fsdp a prompt that stops at EOS at once on one
+rank and one that runs to the limit on the other (the classic sharded-generation hang) finish under the timeout;
+``samples.jsonl``, the tensorboard text and the wandb table hold the rows; the time is its own metric; a
+preemption during sampling saves and exits 75.
 
 Runs (each on warm ranks: ``tests.helpers.finetune_cells``): the tiny GPT-2 at a learning rate that changes its
 greedy output from step to step, 2 steps, evaluation and a checkpoint at each; prompts dealt one per rank.
@@ -32,18 +33,17 @@ PROMPTS = ["And God said, Let there be", {"messages": [{"role": "user", "content
 COMMON = ["--max_steps", str(STEPS), "--learning_rate", "5e-3", "--per_device_train_batch_size", "2",
           "--eval_strategy", "steps", "--eval_steps", "1", "--save_strategy", "steps", "--save_steps", "1",
           "--max_eval_samples", "2", "--chat_template", "chatml", "--sample_max_new_tokens", str(NEW)]
-RUNS = {"ddp": ["--report_to", "tensorboard"], "lora": ["--lora_r", "4", "--learning_rate", "0.1", "--report_to", "wandb"],
-        "qlora": ["--lora_r", "4", "--load_in_4bit", "--learning_rate", "0.1"],
-        "lora_fsdp": ["--lora_r", "4", "--learning_rate", "0.1", "--strategy", "fsdp", "--fsdp_state_dict", "full"],
-        "lora_zero3": ["--lora_r", "4", "--learning_rate", "0.1", "--strategy", "zero3"], "zero3": ["--strategy", "zero3"],
-        "fsdp": ["--strategy", "fsdp"], "zero2": ["--strategy", "zero2"], "zero3_offload": ["--strategy", "zero3_offload"],
+LORA = ["--lora_r", "4", "--learning_rate", "0.1"]
+PIPELINE = ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2"]
+RUNS = {"ddp": ["--report_to", "tensorboard"], "lora": [*LORA, "--report_to", "wandb"],
+        "qlora": [*LORA, "--load_in_4bit"], "lora_fsdp": [*LORA, "--strategy", "fsdp", "--fsdp_state_dict", "full"],
+        "lora_zero3": [*LORA, "--strategy", "zero3"], "zero3": ["--strategy", "zero3"], "fsdp": ["--strategy", "fsdp"],
+        "zero2": ["--strategy", "zero2"], "zero3_offload": ["--strategy", "zero3_offload"],
         # hftk's own loop: generated on the weights consolidated on rank 0
         "tp": ["--strategy", "tp", "--tp_size", "2"], "cp": ["--strategy", "cp", "--cp_size", "2"],
-        "pipeline": ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2"],
-        "lora_pipeline": ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2", "--lora_r", "4",
-                          "--learning_rate", "0.1"],
-        "sp": ["--strategy", "sp", "--sp_size", "2", "--model_name_or_path", "builtin:llama-tiny", "--learning_rate",
-               "1e-2"]}
+        "pipeline": PIPELINE, "lora_pipeline": [*PIPELINE, *LORA],
+        "sp": ["--strategy", "sp", "--sp_size", "2", "--model_name_or_path", "builtin:llama-tiny",
+               "--learning_rate", "1e-2"]}
 UNEVEN = ["zero3", "fsdp"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -180,8 +180,10 @@ def test_one_rank_stopping_at_eos_at_once_and_the_other_running_to_the_limit_fin
     stop_now, run_on = samples(out)
     assert stop_now["tokens"] == [eos] and stop_now["stop"] == "eos", stop_now
     assert len(run_on["tokens"]) == NEW and run_on["stop"] == "length", run_on
-    model, tokenizer = _reference_model(strategy, out / "checkpoint-1"), AutoTokenizer.from_pretrained(out / "checkpoint-1")
-    assert run_on["tokens"] == _greedy(model, tokenizer, _ids(tokenizer, run_on["prompt"]), [eos, tokenizer.eos_token_id])
+    checkpoint = out / "checkpoint-1"
+    model, tokenizer = _reference_model(strategy, checkpoint), AutoTokenizer.from_pretrained(checkpoint)
+    expected = _greedy(model, tokenizer, _ids(tokenizer, run_on["prompt"]), [eos, tokenizer.eos_token_id])
+    assert run_on["tokens"] == expected
 
 
 def test_samples_file_rows_and_their_time(runs):
@@ -205,7 +207,8 @@ def test_tensorboard_holds_each_steps_samples_as_text(runs):
         accumulator = EventAccumulator(str(events), size_guidance={"tensors": 0})
         accumulator.Reload()
         if "samples/text_summary" in accumulator.Tags()["tensors"]:
-            texts.update({e.step: e.tensor_proto.string_val[0].decode() for e in accumulator.Tensors("samples/text_summary")})
+            logged = accumulator.Tensors("samples/text_summary")
+            texts.update({e.step: e.tensor_proto.string_val[0].decode() for e in logged})
     assert set(texts) == set(range(1, STEPS + 1)), texts
     for row in samples(root / "ddp"):
         assert row["completion"] in texts[row["step"]]
@@ -233,7 +236,8 @@ def test_sigterm_during_sampling_stops_at_the_next_token_saves_and_exits_75(engi
     from tests.helpers import TINY_ARGS
     from tests.workers.slow_eval import EVAL_MARKER
 
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"And God said {i}"}) + "\n" for i in range(4)))
+    prompts = [{"prompt": f"And God said {i}"} for i in range(4)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in prompts))
     args = [*TINY_ARGS, "--max_steps", "2", "--per_device_train_batch_size", "4", "--sample_max_new_tokens", "32",
             "--eval_prompts", str(tmp_path / "prompts.jsonl"), *ENGINES[engine]]
     run = start(2, args, tmp_path / "run", script=WORKERS / "slow_eval.py",
@@ -247,39 +251,38 @@ def test_sigterm_during_sampling_stops_at_the_next_token_saves_and_exits_75(engi
     assert not (tmp_path / "run" / "samples.jsonl").exists() and not (tmp_path / "run" / "final").exists()
 
 
+def _held_out(data: Path, fraction: float, count: int) -> list:
+    """The first ``count`` held-out rows as the run splits them (``train_test_split``, its fraction and seed 7)."""
+    import datasets
+
+    rows = datasets.load_dataset("json", data_files=str(data))["train"]
+    return list(rows.train_test_split(test_size=fraction, seed=7, shuffle=True)["test"].select(range(count)))
+
+
+def _equal_to_each_checkpoint(folder: Path, prompts: list) -> None:
+    """The run's rows are ``prompts`` at every step, each equal to plain greedy generate on that step's checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows = samples(folder)
+    assert [(r["step"], r["prompt"]) for r in rows] == [(s, p) for s in range(1, STEPS + 1) for p in prompts]
+    for step in range(1, STEPS + 1):
+        checkpoint = folder / f"checkpoint-{step}"
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
+        for prompt, row in zip(prompts, [r for r in rows if r["step"] == step]):
+            shown = prompt if isinstance(prompt, str) else {"messages": prompt}
+            assert row["tokens"] == _greedy(model, tokenizer, _ids(tokenizer, shown)), (step, prompt)
+
+
 def test_held_out_prompts_are_the_conversations_before_their_last_answer(runs):
     """--num_eval_samples 2 on conversations: the first two held-out rows (``train_test_split`` with the run's
     fraction and seed, as the Trainer's data), without their assistant turn, through the saved chat template."""
-    import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     root, _ = runs
-    held_out = datasets.load_dataset("json", data_files=str(root / "chat.jsonl"))["train"].train_test_split(
-        test_size=0.05, seed=7, shuffle=True)["test"]
-    prompts = [row["messages"][:-1] for row in held_out.select(range(2))]
-    rows = samples(root / "heldout")
-    assert [(r["step"], r["prompt"]) for r in rows] == [(s, p) for s in range(1, STEPS + 1) for p in prompts]
-    for step in range(1, STEPS + 1):
-        checkpoint = root / "heldout" / f"checkpoint-{step}"
-        model, tokenizer = AutoModelForCausalLM.from_pretrained(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
-        for prompt, row in zip(prompts, [r for r in rows if r["step"] == step]):
-            assert row["tokens"] == _greedy(model, tokenizer, _ids(tokenizer, {"messages": prompt})), (step, prompt)
+    prompts = [row["messages"][:-1] for row in _held_out(root / "chat.jsonl", 0.05, 2)]
+    _equal_to_each_checkpoint(root / "heldout", prompts)
 
 
 def test_dpo_samples_the_held_out_pairs_prompts_from_the_policy(runs):
     """--method dpo (TRL's DPOTrainer) with --num_eval_samples 2: the first two held-out pairs' prompts (the run's
     fraction and seed), generated by the policy as one process generates on each step's checkpoint."""
-    import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     root, _ = runs
-    held_out = datasets.load_dataset("json", data_files=str(root / "prefs.jsonl"))["train"].train_test_split(
-        test_size=0.2, seed=7, shuffle=True)["test"]
-    prompts = held_out["prompt"][:2]
-    rows = samples(root / "dpo")
-    assert [(r["step"], r["prompt"]) for r in rows] == [(s, p) for s in range(1, STEPS + 1) for p in prompts]
-    for step in range(1, STEPS + 1):
-        checkpoint = root / "dpo" / f"checkpoint-{step}"
-        model, tokenizer = AutoModelForCausalLM.from_pretrained(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
-        for prompt, row in zip(prompts, [r for r in rows if r["step"] == step]):
-            assert row["tokens"] == _greedy(model, tokenizer, _ids(tokenizer, prompt)), (step, prompt)
+    _equal_to_each_checkpoint(root / "dpo", [row["prompt"] for row in _held_out(root / "prefs.jsonl", 0.2, 2)])
