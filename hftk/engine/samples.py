@@ -6,7 +6,8 @@ one-process ``generate`` on the same weights); rank 0 gathers the rows. Where th
 partitions, FSDP2's DTensors) each forward gathers them layer by layer, so the ranks call ``generate`` in
 lock-step with ``synced_gpus=True``: a rank whose sample stops early keeps running forwards until every rank has
 stopped (transformers' own mechanism; without it the ranks' gathers would pair up wrongly and hang), and no rank
-ever holds the whole model. Replicated models (ddp, zero1/2, LoRA under them) generate independently.
+gathers more than a training forward does (plus, under FSDP2, the root's own group for the whole sampling).
+Replicated models (ddp, zero1/2, LoRA under them) generate independently.
 Rank 0 writes and reports the rows (:mod:`hftk.telemetry.samples`); the time is logged as ``sample_time_s``.
 The custom loop (:mod:`hftk.engine.loop`) cannot generate sharded: it calls :func:`sample` on rank 0 alone with
 the weights its step consolidates there (``consolidated_model``).
