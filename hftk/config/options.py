@@ -128,6 +128,11 @@ class DataConfig:
     chat_template: str | None = _opt(
         None, "Chat template for conversations: a shipped name (chatml) or a Jinja file; overrides the tokenizer's "
         "own. Needed when the tokenizer has none. It is saved with the tokenizer in every checkpoint and in final/.")
+    add_chat_tokens: bool = _opt(
+        True, "When the chosen chat template writes <|...|> markers that are not single tokens of the tokenizer (chatml "
+        "on GPT-2 or most base models): add them as special tokens, make the template's end-of-turn marker the EOS "
+        "(tokenizer, config, generation config) and grow the embeddings to match (new rows trained, with LoRA too). "
+        "--no_add_chat_tokens keeps them as plain text and the tokenizer's EOS.")
     train_on_prompt: bool = _opt(
         False, "Conversations: put the loss on system / user turns too, not only on the assistant turns.")
     on_bad_row: str = _opt("error", "A row that does not fit its format (unknown role, empty assistant turn, no final "

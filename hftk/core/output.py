@@ -2,7 +2,7 @@
 
 The libraries under hftk each print their own notices: DeepSpeed's accelerator guess (every rank, every
 import), its "op built successfully" note and torch's deprecation warnings for the collectives ZeRO calls, transformers'
-weight-loading and shard-writing bars and two advisory warnings about choices hftk made on purpose,
+weight-loading and shard-writing bars and three advisory warnings about choices hftk made on purpose,
 ``datasets``' map bars, the ``[INFO] Running in WANDB offline mode`` line every rank prints at import,
 wandb's run history tables, libkineto's profiler markers. :func:`quiet_libraries` turns each off at its
 source with the library's own switch, once, before a run imports them; :func:`printed_lines_dropped`
@@ -33,6 +33,9 @@ DROPPED_WARNINGS = (
                                               r"\{'pad_token_id': \d+\}\.\Z", re.S)),
     # a config without `loss_type` gets the causal LM loss, which is the loss hftk trains with
     ("transformers.modeling_utils", re.compile(r"`loss_type=None` was set in the config but it is unrecognized")),
+    # chat markers added as tokens: hftk grows the embeddings with mean resizing on purpose and says so in one line
+    ("transformers.modeling_utils", re.compile(r"The new (embeddings|lm_head weights) will be initialized from a "
+                                               r"multivariate normal distribution")),
 )
 
 

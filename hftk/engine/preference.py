@@ -12,7 +12,7 @@ from hftk.engine import trainer as trainer_engine
 from hftk.engine.run_types import PreparedRun
 from hftk.launch.guard import check_world
 from hftk.models import lora
-from hftk.models.loading import load_model, load_tokenizer
+from hftk.models.loading import fit_to_tokenizer, load_model, load_tokenizer
 
 
 def dpo_options(cfg: Any) -> dict[str, Any]:
@@ -46,16 +46,19 @@ def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     args = trainer_engine.build_training_arguments(prepared, extra, arguments_class=DPOConfig)
     check_world(args.world_size)
     startup.mark("process_group")
-    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template, cfg.data.add_chat_tokens,
+                               announce=args.process_index == 0)
     train, held_out = preference_splits(prepared, args.seed)
     startup.mark("data")
-    base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
+    base = fit_to_tokenizer(load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False)),
+                            tokenizer, args.seed)
     model = strategy.prepare_model(lora.apply(base, cfg, args), cfg)
     # None: TRL disables the adapter (LoRA) or loads the starting model again as the reference.
     ref_model = None
     if cfg.preference.ref_model_name_or_path:
         ref_model = load_model(dataclasses.replace(cfg.model, model_name_or_path=cfg.preference.ref_model_name_or_path),
                                shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
+        ref_model = fit_to_tokenizer(ref_model, tokenizer, args.seed)  # the same vocabulary as the policy
     startup.mark("model")
     trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=train, eval_dataset=held_out,
                          processing_class=tokenizer)

@@ -18,6 +18,7 @@ from hftk.checkpoint.run_record import run_record, save_run_record, write_run_fi
 from hftk.comm.callback import CompressionCallback
 from hftk.comm.register import is_active as comm_active
 from hftk.config import strategy_table
+from hftk.config.options import is_main_process
 from hftk.core import startup
 from hftk.core.agent_store import node_first
 from hftk.core.errors import HftkError
@@ -26,7 +27,7 @@ from hftk.engine.resilience import StepGuard, guarded, step_guard
 from hftk.engine.run_types import PreparedRun
 from hftk.launch.guard import WorldGuard, check_world
 from hftk.models import lora
-from hftk.models.loading import load_model, load_tokenizer
+from hftk.models.loading import fit_to_tokenizer, load_model, load_tokenizer
 from hftk.publish.hub import run_pusher
 from hftk.telemetry.memory import ModelStateCallback
 from hftk.telemetry.metrics import MetricsCallback, SyncCheckCallback, logged_eval
@@ -133,7 +134,8 @@ def load_data(prepared: PreparedRun, seed: int) -> tuple[Any, Any]:
     others wait on the launcher's store (no collective: a long tokenisation never meets ``ddp_timeout``),
     then read its datasets cache."""
     cfg = prepared.cfg
-    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)  # saved with it: checkpoints and final/
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template, cfg.data.add_chat_tokens,  # saved with it:
+                               announce=is_main_process())  # checkpoints and final/
     if prepared.tokenized is not None:  # hftk preprocess made the blocks; every rank read them in prepare
         return tokenizer, prepared.tokenized
     with node_first("tokenize"):
@@ -160,7 +162,8 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     tokenizer, data = load_data(prepared, args.seed)
     announce_eval(cfg.data, data.eval, args.per_device_eval_batch_size, args.world_size, args.process_index == 0)
     startup.mark("data")
-    base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
+    base = fit_to_tokenizer(load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False)),
+                            tokenizer, args.seed)
     model = strategy.prepare_model(lora.apply(base, cfg, args), cfg)  # LoRA before any sharding
     startup.mark("model")
 

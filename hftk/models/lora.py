@@ -26,6 +26,7 @@ from hftk.config import support
 from hftk.config.family_table import FAMILIES, supported_families
 from hftk.config.options import ModelConfig, RunConfig
 from hftk.core.errors import HftkError
+from hftk.models.loading import partition_like_base
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -164,7 +165,7 @@ def apply(model: Any, cfg: RunConfig, args: Any) -> Any:
     with torch.random.fork_rng(devices=[]):  # every rank (and a one-process run) draws the same lora_A
         torch.manual_seed(args.seed)
         model = get_peft_model(model, lora_config(cfg.model, model.config.model_type))
-    _partition_like_base(model)
+    partition_like_base(model)  # the adapters PEFT added
     counts = parameter_counts(model)
     if args.process_index == 0:
         from hftk.telemetry.metrics import append_jsonl
@@ -175,15 +176,6 @@ def apply(model: Any, cfg: RunConfig, args: Any) -> Any:
               f"({100 * counts['lora_trainable_fraction']:.3f}%)", flush=True)
         append_jsonl(cfg.output_dir / cfg.tracking.metrics_file, {"step": 0, **counts})
     return model
-
-
-def _partition_like_base(model: Any) -> None:
-    """Under ZeRO-3 ``zero.Init`` partitioned the base at load; the adapters PEFT added since are
-    partitioned the same way now (DeepSpeed's own conversion), so no rank holds a whole weight."""
-    zero = [p for p in model.parameters() if hasattr(p, "ds_id")]
-    fresh = [p for p in model.parameters() if not hasattr(p, "ds_id")]
-    if zero and fresh:
-        zero[0].convert_to_zero_parameters(param_list=fresh)
 
 
 def full_numel(param: torch.Tensor) -> int:

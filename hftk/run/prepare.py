@@ -48,7 +48,8 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
     if read_tokenized and cfg.data.tokenized_path:
         from hftk.run import preprocess
 
-        tokenized = preprocess.load(cfg, load_tokenizer(cfg.model, cfg.data.chat_template))
+        tokenized = preprocess.load(cfg, load_tokenizer(cfg.model, cfg.data.chat_template,
+                                                             cfg.data.add_chat_tokens))
         return PreparedRun(cfg=cfg, model_config=model_config, raw=None, data_format=tokenized.data_format,
                            world_size=world_size, tokenized=tokenized)
     if cfg.preference.method == "dpo":  # TRL's DPOTrainer tokenises the pairs; only the rows are checked here
@@ -57,7 +58,8 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
         return PreparedRun(cfg=cfg, model_config=model_config, raw=sources[0].raw, data_format=sources[0].fmt,
                            world_size=world_size, sources=sources)
     # Conversations need the tokenizer's chat template now (a built-in model is then written early).
-    sources = load_sources(cfg.data, lambda: load_tokenizer(cfg.model, cfg.data.chat_template))
+    sources = load_sources(cfg.data, lambda: load_tokenizer(cfg.model, cfg.data.chat_template,
+                                                                 cfg.data.add_chat_tokens))
     validate.check_data(cfg, combined_format(sources))
     for source in sources:  # each dataset's options were copied before check_data resolved data.packing
         source.cfg.packing = cfg.data.packing
@@ -201,7 +203,7 @@ def preprocess_command(argv: list[str]) -> int:
         raise HftkError("data.tokenized_path", f"'{target}' already exists.", "choose a new folder or delete it.")
     prepared = prepare(argv, read_tokenized=False)
     cfg = prepared.cfg
-    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template, cfg.data.add_chat_tokens, announce=True)
     data = tokenize_sources(prepared.sources, tokenizer, cfg.training["seed"])
     summary = preprocess.save(Path(target), data, preprocess.fingerprint(cfg, tokenizer))
     parts = [f"{name}: {s['blocks']} blocks, {s['tokens']} tokens ({s['labelled_tokens']} labelled)"

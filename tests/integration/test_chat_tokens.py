@@ -1,0 +1,94 @@
+"""A chat template whose markers are not tokens (chatml on the built-in GPT-2) trained on 2 ranks: the markers
+become special tokens, ``<|im_end|>`` the EOS of final/'s tokenizer, config and generation config, and final/
+loads with ``from_pretrained`` with one embedding row per token, under the Trainer (ddp, zero3) and the mesh
+loop (tp); ``--no_add_chat_tokens`` leaves the vocabulary as it was."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import finetune_cells, losses
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+CHAT = ["--chat_template", "chatml", "--block_size", "128", "--max_steps", "2", "--packing", "none",
+        "--eval_fraction", "0", "--per_device_train_batch_size", "2"]
+VOCAB = 2048  # the built-in GPT-2's
+
+
+def conversations() -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"Where is the sun, {i}?"},
+                          {"role": "assistant", "content": f"It also ariseth, {i}."}]} for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat_tokens")
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations()))
+    common = [*CHAT, "--dataset", str(data)]
+    cells = {
+        "ddp": common,
+        "zero3": [*common, "--strategy", "zero3"],
+        "tp": [*common, "--strategy", "tp", "--tp_size", "2", "--per_device_train_batch_size", "4"],
+        "no_add": [*common, "--no_add_chat_tokens"],
+    }
+    outputs = finetune_cells(2, {name: [*args, "--output_dir", str(root / name)] for name, args in cells.items()},
+                             root)
+    return root, outputs
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3", "tp"])
+def test_markers_are_tokens_and_the_end_of_turn_is_the_saved_eos(runs, name):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    root, outputs = runs
+    line = ("hftk: chat template chatml: added <|im_start|>, <|im_end|> as special tokens; EOS is <|im_end|> "
+            "(--no_add_chat_tokens keeps them as text)")
+    assert outputs[name].count(line) == 1  # rank 0 only
+    assert "multivariate normal" not in outputs[name]  # transformers' advisory: the line above says it
+    final = root / name / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    ids = tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 1 and len(tokenizer) == VOCAB + 2
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == ids[0]
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert model.config.eos_token_id == GenerationConfig.from_pretrained(final).eos_token_id == ids[0]
+    assert model.get_input_embeddings().weight.shape[0] == model.config.vocab_size == len(tokenizer)
+
+
+def test_no_add_chat_tokens_keeps_the_vocabulary(runs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, outputs = runs
+    assert "as special tokens" not in outputs["no_add"]
+    final = root / "no_add" / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    assert len(tokenizer) == VOCAB and tokenizer.eos_token == "<|endoftext|>"
+    assert len(tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]) > 1
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert model.get_input_embeddings().weight.shape[0] == VOCAB
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("name", ["zero3", "tp"])
+def test_every_strategy_starts_from_the_same_new_rows_and_trains_them(runs, name):
+    """The same global batch of 4 on every strategy: equal losses mean every rank drew the same new rows
+    (ZeRO-3 partitions them, tp shards them by vocabulary); the end-of-turn row moved from its start."""
+    import torch
+    from safetensors.torch import load_file
+
+    from hftk.config.options import ModelConfig
+    from hftk.models.loading import fit_to_tokenizer, load_model, load_tokenizer
+
+    root, _ = runs
+    ref, got = losses(root / "ddp"), losses(root / name)
+    assert sorted(ref) == sorted(got) == [1, 2]
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-5), (name, step)
+    cfg = ModelConfig(model_name_or_path="builtin:gpt2-tiny")
+    tokenizer = load_tokenizer(cfg, "chatml")
+    start = fit_to_tokenizer(load_model(cfg), tokenizer, seed=7).get_input_embeddings().weight[VOCAB + 1].detach()
+    trained = load_file(str(root / name / "final" / "model.safetensors"))["transformer.wte.weight"][VOCAB + 1]
+    assert float((trained - start).abs().max()) > 1e-4 and torch.isfinite(trained).all()
