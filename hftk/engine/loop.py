@@ -142,7 +142,8 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     set_seed(args.seed)
     tokenizer, data = load_data(prepared, args.seed)
     startup.mark("data")
-    model = lora.apply(fit_to_tokenizer(load_model(cfg.model), tokenizer, args.seed), cfg, args)
+    model = load_model(cfg.model)
+    model = lora.apply(model, cfg, args, fit_to_tokenizer(model, tokenizer, args.seed))
     _enable_activation_checkpointing(model, args)
     token_flops = flops_per_token(model, cfg.data.block_size)
     adapter = (model.peft_config[lora.ADAPTER_NAME], lora.adapter_shapes(model)) if lora.is_peft(model) else None

@@ -50,15 +50,15 @@ def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
                                announce=args.process_index == 0)
     train, held_out = preference_splits(prepared, args.seed)
     startup.mark("data")
-    base = fit_to_tokenizer(load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False)),
-                            tokenizer, args.seed)
-    model = strategy.prepare_model(lora.apply(base, cfg, args), cfg)
+    base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
+    new_tokens = fit_to_tokenizer(base, tokenizer, args.seed)
+    model = strategy.prepare_model(lora.apply(base, cfg, args, new_tokens), cfg)
     # None: TRL disables the adapter (LoRA) or loads the starting model again as the reference.
     ref_model = None
     if cfg.preference.ref_model_name_or_path:
         ref_model = load_model(dataclasses.replace(cfg.model, model_name_or_path=cfg.preference.ref_model_name_or_path),
                                shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
-        ref_model = fit_to_tokenizer(ref_model, tokenizer, args.seed)  # the same vocabulary as the policy
+        fit_to_tokenizer(ref_model, tokenizer, args.seed)  # the same vocabulary as the policy
     startup.mark("model")
     trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=train, eval_dataset=held_out,
                          processing_class=tokenizer)

@@ -162,9 +162,9 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     tokenizer, data = load_data(prepared, args.seed)
     announce_eval(cfg.data, data.eval, args.per_device_eval_batch_size, args.world_size, args.process_index == 0)
     startup.mark("data")
-    base = fit_to_tokenizer(load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False)),
-                            tokenizer, args.seed)
-    model = strategy.prepare_model(lora.apply(base, cfg, args), cfg)  # LoRA before any sharding
+    base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
+    new_tokens = fit_to_tokenizer(base, tokenizer, args.seed)  # chat markers added: before LoRA and sharding
+    model = strategy.prepare_model(lora.apply(base, cfg, args, new_tokens), cfg)  # LoRA before any sharding
     startup.mark("model")
 
     # A strategy that owns its model/optimizer I/O (FSDP2 shards) supplies its own Trainer.

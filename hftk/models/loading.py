@@ -86,16 +86,28 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None, add_chat_
     return tokenizer
 
 
-def fit_to_tokenizer(model: Any, tokenizer: Any, seed: int) -> Any:
+def markers_to_add(cfg: ModelConfig, chat_template: str | None, add_chat_tokens: bool) -> list[str]:
+    """The chat markers a run will add to the tokenizer (:func:`load_tokenizer`), for checks before launch."""
+    from hftk.data.chat import missing_markers
+
+    if not (chat_template and add_chat_tokens):
+        return []
+    tokenizer = load_tokenizer(cfg, chat_template, add_chat_tokens=False)
+    return missing_markers(tokenizer, tokenizer.chat_template)
+
+
+def fit_to_tokenizer(model: Any, tokenizer: Any, seed: int) -> list[int]:
     """Grow ``model``'s embeddings (and an untied LM head) to ``len(tokenizer)`` when the tokenizer gained
     tokens (chat markers), and make the tokenizer's EOS one its config and generation config stop on.
 
     Called on the plain model, before LoRA and before any strategy wraps or shards it (under ZeRO-3 the
     model is partitioned already: ``resize_token_embeddings`` gathers it). The new rows are drawn from the
     old rows' mean and covariance (``mean_resizing``, what transformers recommends for causal LMs) under
-    ``seed`` in a forked RNG: every rank draws the same rows and the run's own RNG stream is untouched."""
+    ``seed`` in a forked RNG: every rank draws the same rows and the run's own RNG stream is untouched.
+    Returns the new rows' ids (LoRA trains them: ``lora.apply``)."""
     weight = model.get_input_embeddings().weight
-    if len(tokenizer) > getattr(weight, "ds_shape", weight.shape)[0]:  # ZeRO-3 keeps the full shape in ds_shape
+    rows = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 keeps the full shape in ds_shape
+    if len(tokenizer) > rows:
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
@@ -105,7 +117,7 @@ def fit_to_tokenizer(model: Any, tokenizer: Any, seed: int) -> Any:
     for config in filter(None, configs):  # the tokenizer's EOS is the one its turns end with: stop there
         if eos not in _ids(config.eos_token_id):
             config.eos_token_id = eos
-    return model
+    return list(range(rows, len(tokenizer)))
 
 
 def partition_like_base(model: Any) -> None:

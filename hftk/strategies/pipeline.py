@@ -88,7 +88,18 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise HftkError(name, f"{stages} pipeline stages but the model has only {layers} decoder layers "
                         "(each stage needs at least one).",
                         f"use at most {layers} stages in all (pp_size x pp_virtual_stages).")
+    _check_chat_tokens_with_lora(cfg, model_config)
     _check_resume_layout(cfg, world_size)
+
+
+def _check_chat_tokens_with_lora(cfg: RunConfig, model_config: Any) -> None:
+    """LoRA trains added chat markers as PEFT's trainable tokens; with tied embeddings their rows live in the
+    first stage's embedding and the last stage's head, and the stages sum only the tied weight's gradient."""
+    from hftk.models.lora import refuse_added_tokens
+
+    if getattr(model_config, "tie_word_embeddings", False):
+        refuse_added_tokens(cfg, "would train their rows apart on the first and last stage of this model (tied "
+                            "embeddings)", "train LoRA with ddp or fsdp")
 
 
 def _refuse_combinations(cfg: RunConfig) -> None:

@@ -1,7 +1,10 @@
 """A chat template whose markers are not tokens (chatml on the built-in GPT-2) trained on 2 ranks: the markers
 become special tokens, ``<|im_end|>`` the EOS of final/'s tokenizer, config and generation config, and final/
 loads with ``from_pretrained`` with one embedding row per token, under the Trainer (ddp, zero3) and the mesh
-loop (tp); ``--no_add_chat_tokens`` leaves the vocabulary as it was."""
+loop (tp); with LoRA (ddp, fsdp) the new rows train as PEFT's trainable tokens and the adapter reloads with
+PEFT on the base grown to the saved tokenizer, as ``hftk export --merge`` merges it; ``--no_add_chat_tokens``
+leaves the vocabulary as it was. (Refused before launch, tests/unit/strategies: LoRA with added markers under
+ZeRO-3 without a GPU, and under pipeline on tied embeddings.)"""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 CHAT = ["--chat_template", "chatml", "--block_size", "128", "--max_steps", "2", "--packing", "none",
         "--eval_fraction", "0", "--per_device_train_batch_size", "2"]
 VOCAB = 2048  # the built-in GPT-2's
+LORA = ["--lora_r", "4", "--adam_epsilon", "1e-4"]  # as test_lora.py: near-zero adapter grads stay comparable
 
 
 def conversations() -> list[dict]:
@@ -33,6 +37,8 @@ def runs(tmp_path_factory):
         "zero3": [*common, "--strategy", "zero3"],
         "tp": [*common, "--strategy", "tp", "--tp_size", "2", "--per_device_train_batch_size", "4"],
         "no_add": [*common, "--no_add_chat_tokens"],
+        "lora_ddp": [*common, *LORA],
+        "lora_fsdp": [*common, *LORA, "--strategy", "fsdp"],
     }
     outputs = finetune_cells(2, {name: [*args, "--output_dir", str(root / name)] for name, args in cells.items()},
                              root)
@@ -89,6 +95,56 @@ def test_every_strategy_starts_from_the_same_new_rows_and_trains_them(runs, name
         assert got[step] == pytest.approx(ref[step], abs=1e-5), (name, step)
     cfg = ModelConfig(model_name_or_path="builtin:gpt2-tiny")
     tokenizer = load_tokenizer(cfg, "chatml")
-    start = fit_to_tokenizer(load_model(cfg), tokenizer, seed=7).get_input_embeddings().weight[VOCAB + 1].detach()
+    model = load_model(cfg)
+    fit_to_tokenizer(model, tokenizer, seed=7)
+    start = model.get_input_embeddings().weight[VOCAB + 1].detach()
     trained = load_file(str(root / name / "final" / "model.safetensors"))["transformer.wte.weight"][VOCAB + 1]
     assert float((trained - start).abs().max()) > 1e-4 and torch.isfinite(trained).all()
+
+
+LORA_RUNS = ["lora_ddp", "lora_fsdp"]
+
+
+@pytest.mark.parametrize("name", LORA_RUNS)
+def test_lora_trains_the_new_rows_and_its_adapter_reloads_on_the_grown_base_as_merged(runs, name, tmp_path):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftk.config.options import ModelConfig
+    from hftk.models.loading import fit_to_tokenizer, load_model, load_tokenizer, resolve_model_path
+    from tests.helpers import python
+
+    root, outputs = runs
+    final = root / name / "final"
+    assert "EOS is <|im_end|>" in outputs[name]
+    ref, got = losses(root / "lora_ddp"), losses(root / name)
+    assert sorted(ref) == sorted(got) == [1, 2]
+    for step in ref:  # the same global batch of 4: every rank started from the same new rows
+        assert got[step] == pytest.approx(ref[step], abs=1e-5), (name, step)
+    assert json.loads((final / "adapter_config.json").read_text())["trainable_token_indices"] == [VOCAB, VOCAB + 1]
+    saved = load_file(str(final / "adapter_model.safetensors"))
+    delta = saved["base_model.model.transformer.wte.token_adapter.trainable_tokens_delta"]
+    assert delta.shape == (2, 64) and saved["base_model.model.transformer.wte.token_adapter.base_layer.weight"].shape \
+        == (VOCAB + 2, 64)
+    cfg = ModelConfig(model_name_or_path="builtin:gpt2-tiny")
+    start = load_model(cfg)
+    fit_to_tokenizer(start, load_tokenizer(cfg, "chatml"), seed=7)
+    assert float((delta - start.get_input_embeddings().weight[VOCAB:].detach()).abs().max()) > 1e-4  # trained
+
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    assert len(tokenizer) == VOCAB + 2 and tokenizer.eos_token == "<|im_end|>"
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg))
+    base.resize_token_embeddings(len(tokenizer))  # PEFT's way: the base grown to the adapter's tokenizer
+    reloaded = PeftModel.from_pretrained(base, str(final)).eval()
+    merged_dir = tmp_path / "merged"
+    result = python(["-m", "hftk.cli", "export", str(final), str(merged_dir), "--merge"])
+    assert result.returncode == 0, result.output[-3000:]
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    assert merged.get_input_embeddings().weight.shape[0] == len(tokenizer)
+    assert merged.config.eos_token_id == merged.generation_config.eos_token_id == tokenizer.eos_token_id
+    ids = tokenizer.apply_chat_template(conversations()[0]["messages"], return_tensors="pt", return_dict=True)
+    assert tokenizer.eos_token_id in ids["input_ids"][0].tolist()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**ids).logits, reloaded(**ids).logits, rtol=0, atol=1e-5)

@@ -26,7 +26,7 @@ def test_no_add_chat_tokens_keeps_the_vocabulary_and_eos():
     assert (len(kept), kept.eos_token) == (len(plain), plain.eos_token) == (2048, "<|endoftext|>")
     model = load_model(BUILTIN)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    fit_to_tokenizer(model, kept, seed=0)
+    assert fit_to_tokenizer(model, kept, seed=0) == []
     assert model.get_input_embeddings().weight.shape[0] == 2048 and model.config.eos_token_id == kept.eos_token_id
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -40,7 +40,8 @@ def test_fit_to_tokenizer_grows_the_embeddings_as_transformers_does_with_the_sam
 
     torch.manual_seed(123)
     state = torch.random.get_rng_state()
-    model = fit_to_tokenizer(load_model(BUILTIN), tokenizer, seed=7)
+    model = load_model(BUILTIN)
+    assert fit_to_tokenizer(model, tokenizer, seed=7) == [2048, 2049]
     assert torch.equal(torch.random.get_rng_state(), state)  # the run's own RNG stream is untouched
     weight = model.get_input_embeddings().weight
     assert weight.shape == (len(tokenizer), old.shape[1]) and model.get_output_embeddings().weight is weight
@@ -52,10 +53,11 @@ def test_fit_to_tokenizer_grows_the_embeddings_as_transformers_does_with_the_sam
     torch.manual_seed(7)
     reference.resize_token_embeddings(len(tokenizer), mean_resizing=True)
     assert torch.equal(weight, reference.get_input_embeddings().weight)
-    other_rank = fit_to_tokenizer(load_model(BUILTIN), tokenizer, seed=7)
+    other_rank, other_seed = load_model(BUILTIN), load_model(BUILTIN)
+    fit_to_tokenizer(other_rank, tokenizer, seed=7)
+    fit_to_tokenizer(other_seed, tokenizer, seed=8)
     assert torch.equal(weight, other_rank.get_input_embeddings().weight)
-    assert not torch.equal(weight[old.shape[0]:], fit_to_tokenizer(load_model(BUILTIN), tokenizer, seed=8)
-                           .get_input_embeddings().weight[old.shape[0]:])
+    assert not torch.equal(weight[old.shape[0]:], other_seed.get_input_embeddings().weight[old.shape[0]:])
 
     model.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
