@@ -51,11 +51,11 @@ def target_modules(cfg: ModelConfig, model_type: str) -> list[str]:
     return list(FAMILIES[model_type].lora_targets)
 
 
-def lora_config(cfg: ModelConfig, model_type: str, new_tokens: list[int] | None = None) -> Any:
+def lora_config(cfg: ModelConfig, model_type: str, new_tokens: dict[str, list[int]] | None = None) -> Any:
     """PEFT's ``LoraConfig`` of this run (no bias, causal LM, base revision recorded, DoRA / rsLoRA).
 
-    ``new_tokens``: embedding rows the run added (chat markers, ``data.add_chat_tokens``); PEFT's
-    ``trainable_token_indices`` trains them (and a tied LM head's) beside the adapters."""
+    ``new_tokens``: the rows the run added (chat markers, ``data.add_chat_tokens``) by embedding module
+    (:func:`trainable_tokens`); PEFT's ``trainable_token_indices`` trains them beside the adapters."""
     from peft import LoraConfig
 
     # GPT-2's Conv1D stores weights (in, out); quantized, transformers replaced it by a bitsandbytes Linear (out, in).
@@ -64,7 +64,21 @@ def lora_config(cfg: ModelConfig, model_type: str, new_tokens: list[int] | None 
                       target_modules=target_modules(cfg, model_type), bias="none", task_type="CAUSAL_LM",
                       fan_in_fan_out=conv1d, use_dora=cfg.use_dora, use_rslora=cfg.use_rslora,
                       revision=None if cfg.model_revision == "main" else cfg.model_revision,
-                      trainable_token_indices=list(new_tokens) if new_tokens else None)
+                      trainable_token_indices=new_tokens or None)
+
+
+def trainable_tokens(model: Any, new_rows: list[int]) -> dict[str, list[int]]:
+    """PEFT's ``trainable_token_indices`` for rows added to ``model``'s vocabulary: the input embedding's, and
+    an untied LM head's too (its new rows give the new tokens' logits: ``<|im_end|>``'s is when to stop;
+    a tied head follows the embedding in PEFT)."""
+    if not new_rows:
+        return {}
+    names = {id(module): name for name, module in model.named_modules()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    layers = {names[id(embed)]: list(new_rows)}
+    if head is not None and head.weight is not embed.weight:
+        layers[names[id(head)]] = list(new_rows)
+    return layers
 
 
 def validate(cfg: RunConfig, model_config: Any) -> None:
@@ -180,7 +194,8 @@ def apply(model: Any, cfg: RunConfig, args: Any, new_tokens: list[int] | None = 
                                                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
     with torch.random.fork_rng(devices=[]):  # every rank (and a one-process run) draws the same lora_A
         torch.manual_seed(args.seed)
-        model = get_peft_model(model, lora_config(cfg.model, model.config.model_type, new_tokens))
+        config = lora_config(cfg.model, model.config.model_type, trainable_tokens(model, new_tokens or []))
+        model = get_peft_model(model, config)
     partition_like_base(model)  # the adapters PEFT added
     counts = parameter_counts(model)
     if args.process_index == 0:

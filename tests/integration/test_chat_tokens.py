@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 CHAT = ["--chat_template", "chatml", "--block_size", "128", "--max_steps", "2", "--packing", "none",
         "--eval_fraction", "0", "--per_device_train_batch_size", "2"]
 VOCAB = 2048  # the built-in GPT-2's
-LORA = ["--lora_r", "4", "--adam_epsilon", "1e-4"]  # as test_lora.py: near-zero adapter grads stay comparable
+LORA = ["--lora_r", "4", "--adam_epsilon", "1e-4"]
+LLAMA = ["--model_name_or_path", "builtin:llama-tiny"]  # untied LM head: its new rows train as well  # as test_lora.py: near-zero adapter grads stay comparable
 
 
 def conversations() -> list[dict]:
@@ -39,6 +40,9 @@ def runs(tmp_path_factory):
         "no_add": [*common, "--no_add_chat_tokens"],
         "lora_ddp": [*common, *LORA],
         "lora_fsdp": [*common, *LORA, "--strategy", "fsdp"],
+        "lora_llama_ddp": [*common, *LORA, *LLAMA],
+        "lora_llama_pipeline": [*common, *LORA, *LLAMA, "--strategy", "pipeline", "--pp_size", "2",
+                                "--pp_microbatches", "2", "--per_device_train_batch_size", "4"],
     }
     outputs = finetune_cells(2, {name: [*args, "--output_dir", str(root / name)] for name, args in cells.items()},
                              root)
@@ -102,7 +106,13 @@ def test_every_strategy_starts_from_the_same_new_rows_and_trains_them(runs, name
     assert float((trained - start).abs().max()) > 1e-4 and torch.isfinite(trained).all()
 
 
-LORA_RUNS = ["lora_ddp", "lora_fsdp"]
+# run -> (the run with the same losses, model, the new rows' embedding modules)
+LORA_RUNS = {
+    "lora_ddp": ("lora_ddp", "builtin:gpt2-tiny", ["transformer.wte"]),  # the tied head follows the embedding
+    "lora_fsdp": ("lora_ddp", "builtin:gpt2-tiny", ["transformer.wte"]),
+    "lora_llama_ddp": ("lora_llama_ddp", "builtin:llama-tiny", ["model.embed_tokens", "lm_head"]),
+    "lora_llama_pipeline": ("lora_llama_ddp", "builtin:llama-tiny", ["model.embed_tokens", "lm_head"]),
+}
 
 
 @pytest.mark.parametrize("name", LORA_RUNS)
@@ -117,21 +127,26 @@ def test_lora_trains_the_new_rows_and_its_adapter_reloads_on_the_grown_base_as_m
     from tests.helpers import python
 
     root, outputs = runs
+    reference, model_name, modules = LORA_RUNS[name]
     final = root / name / "final"
     assert "EOS is <|im_end|>" in outputs[name]
-    ref, got = losses(root / "lora_ddp"), losses(root / name)
+    ref, got = losses(root / reference), losses(root / name)
     assert sorted(ref) == sorted(got) == [1, 2]
     for step in ref:  # the same global batch of 4: every rank started from the same new rows
         assert got[step] == pytest.approx(ref[step], abs=1e-5), (name, step)
-    assert json.loads((final / "adapter_config.json").read_text())["trainable_token_indices"] == [VOCAB, VOCAB + 1]
+    indices = json.loads((final / "adapter_config.json").read_text())["trainable_token_indices"]
+    assert indices == {module: [VOCAB, VOCAB + 1] for module in modules}
     saved = load_file(str(final / "adapter_model.safetensors"))
-    delta = saved["base_model.model.transformer.wte.token_adapter.trainable_tokens_delta"]
-    assert delta.shape == (2, 64) and saved["base_model.model.transformer.wte.token_adapter.base_layer.weight"].shape \
-        == (VOCAB + 2, 64)
-    cfg = ModelConfig(model_name_or_path="builtin:gpt2-tiny")
+    cfg = ModelConfig(model_name_or_path=model_name)
     start = load_model(cfg)
     fit_to_tokenizer(start, load_tokenizer(cfg, "chatml"), seed=7)
-    assert float((delta - start.get_input_embeddings().weight[VOCAB:].detach()).abs().max()) > 1e-4  # trained
+    for module in modules:
+        delta = saved[f"base_model.model.{module}.token_adapter.trainable_tokens_delta"]
+        grown = saved[f"base_model.model.{module}.token_adapter.base_layer.weight"]
+        assert delta.shape == (2, 64) and grown.shape == (VOCAB + 2, 64)
+        initial = start.get_submodule(module).weight[VOCAB:].detach()
+        assert torch.equal(grown[VOCAB:], initial)  # saved as drawn: the same rows on every rank
+        assert float((delta - initial).abs().max()) > 1e-4  # trained
 
     tokenizer = AutoTokenizer.from_pretrained(final)
     assert len(tokenizer) == VOCAB + 2 and tokenizer.eos_token == "<|im_end|>"
