@@ -44,6 +44,9 @@ def runs(tmp_path_factory):
         "lora_llama_pipeline": [*common, *LORA, *LLAMA, "--strategy", "pipeline", "--pp_size", "2",
                                 "--pp_microbatches", "2", "--per_device_train_batch_size", "4"],
     }
+    save = [*common, *LORA, "--save_strategy", "steps", "--save_steps", "1"]
+    cells["lora_saved"] = save
+    cells["lora_resumed"] = [*save, "--resume_from_checkpoint", str(root / "lora_saved" / "checkpoint-1")]
     outputs = finetune_cells(2, {name: [*args, "--output_dir", str(root / name)] for name, args in cells.items()},
                              root)
     return root, outputs
@@ -163,3 +166,17 @@ def test_lora_trains_the_new_rows_and_its_adapter_reloads_on_the_grown_base_as_m
     assert tokenizer.eos_token_id in ids["input_ids"][0].tolist()
     with torch.no_grad():
         torch.testing.assert_close(merged(**ids).logits, reloaded(**ids).logits, rtol=0, atol=1e-5)
+
+
+def test_lora_with_new_rows_resumes_exactly_from_the_trainers_checkpoint(runs):
+    """checkpoint-1 (the Trainer's PEFT save: adapter, trainable tokens, grown embeddings) resumed on a base
+    grown again: step 2 and the final adapter are the uninterrupted run's."""
+    from safetensors.torch import load_file
+
+    root, _ = runs
+    resumed, uninterrupted = losses(root / "lora_resumed"), losses(root / "lora_saved")
+    assert sorted(resumed) == [2] and resumed[2] == pytest.approx(uninterrupted[2], abs=1e-6)
+    want, got = (load_file(str(root / run / "final" / "adapter_model.safetensors")) for run in ("lora_saved",
+                                                                                             "lora_resumed"))
+    assert want.keys() == got.keys() and any("trainable_tokens_delta" in k for k in got)
+    assert max(float((want[k] - got[k]).abs().max()) for k in want) < 1e-6
