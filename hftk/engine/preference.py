@@ -53,10 +53,14 @@ def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
     new_tokens = fit_to_tokenizer(base, tokenizer, args.seed)
     model = strategy.prepare_model(lora.apply(base, cfg, args, new_tokens), cfg)
-    # None: TRL disables the adapter (LoRA) or loads the starting model again as the reference.
+    # None: TRL disables the adapter (LoRA) or loads the starting model again as the reference. With chat
+    # markers added, TRL's reload would lack their rows: the starting model is loaded and grown here instead
+    # (the same seed: the policy's very starting rows).
     ref_model = None
-    if cfg.preference.ref_model_name_or_path:
-        ref_model = load_model(dataclasses.replace(cfg.model, model_name_or_path=cfg.preference.ref_model_name_or_path),
+    ref_path = cfg.preference.ref_model_name_or_path or (new_tokens and not lora.is_peft(model) and
+                                                         cfg.model.model_name_or_path)
+    if ref_path:
+        ref_model = load_model(dataclasses.replace(cfg.model, model_name_or_path=ref_path),
                                shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
         fit_to_tokenizer(ref_model, tokenizer, args.seed)  # the same vocabulary as the policy
     startup.mark("model")

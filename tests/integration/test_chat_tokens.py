@@ -44,6 +44,12 @@ def runs(tmp_path_factory):
         "lora_llama_pipeline": [*common, *LORA, *LLAMA, "--strategy", "pipeline", "--pp_size", "2",
                                 "--pp_microbatches", "2", "--per_device_train_batch_size", "4"],
     }
+    prefs = root / "prefs.jsonl"  # conversational preference rows: TRL renders them with the run's template
+    prefs.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Repeat {w}:"}],
+                                         "chosen": [{"role": "assistant", "content": f"{w} {w}"}],
+                                         "rejected": [{"role": "assistant", "content": "no"}]}) + "\n"
+                             for w in ["blue", "cat", "dog", "moon"] * 4))
+    cells["dpo"] = [*CHAT, "--dataset", str(prefs), "--method", "dpo"]
     save = [*common, *LORA, "--save_strategy", "steps", "--save_steps", "1"]
     cells["lora_saved"] = save
     cells["lora_resumed"] = [*save, "--resume_from_checkpoint", str(root / "lora_saved" / "checkpoint-1")]
@@ -52,7 +58,7 @@ def runs(tmp_path_factory):
     return root, outputs
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero3", "tp"])
+@pytest.mark.parametrize("name", ["ddp", "zero3", "tp", "dpo"])
 def test_markers_are_tokens_and_the_end_of_turn_is_the_saved_eos(runs, name):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -180,3 +186,13 @@ def test_lora_with_new_rows_resumes_exactly_from_the_trainers_checkpoint(runs):
                                                                                              "lora_resumed"))
     assert want.keys() == got.keys() and any("trainable_tokens_delta" in k for k in got)
     assert max(float((want[k] - got[k]).abs().max()) for k in want) < 1e-6
+
+
+def test_dpo_reference_is_the_grown_starting_model(runs):
+    """TRL would reload the reference from the path, without the new rows; hftk hands it the starting model
+    grown with the same seed, so before the first update policy and reference agree: zero rewards at step 1."""
+    from tests.helpers import metrics
+
+    root, _ = runs
+    first = next(m for m in metrics(root / "dpo") if "rewards/chosen" in m)
+    assert first["step"] == 1 and first["rewards/chosen"] == 0 and first["rewards/rejected"] == 0
