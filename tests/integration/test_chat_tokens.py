@@ -1,10 +1,11 @@
 """A chat template whose markers are not tokens (chatml on the built-in GPT-2) trained on 2 ranks: the markers
 become special tokens, ``<|im_end|>`` the EOS of final/'s tokenizer, config and generation config, and final/
 loads with ``from_pretrained`` with one embedding row per token, under the Trainer (ddp, zero3) and the mesh
-loop (tp); with LoRA (ddp, fsdp) the new rows train as PEFT's trainable tokens and the adapter reloads with
-PEFT on the base grown to the saved tokenizer, as ``hftk export --merge`` merges it; ``--no_add_chat_tokens``
-leaves the vocabulary as it was. (Refused before launch, tests/unit/strategies: LoRA with added markers under
-ZeRO-3 without a GPU, and under pipeline on tied embeddings.)"""
+loop (tp); with LoRA (ddp, fsdp, pipeline; GPT-2's tied and Llama's untied head) the new rows train as PEFT's
+trainable tokens and the adapter reloads with PEFT on the base grown to the saved tokenizer, as ``hftk export
+--merge`` merges it, and resumes exactly; DPO's reference is the grown starting model; ``--no_add_chat_tokens``
+leaves the vocabulary as it was. (LoRA with added markers under ZeRO-3 without a GPU is refused before launch:
+tests/unit/strategies/test_deepspeed.py.)"""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def runs(tmp_path_factory):
         "no_add": [*common, "--no_add_chat_tokens"],
         "lora_ddp": [*common, *LORA],
         "lora_fsdp": [*common, *LORA, "--strategy", "fsdp"],
+        "lora_pipeline": [*common, *LORA, "--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2",
+                          "--per_device_train_batch_size", "4"],  # the new rows shared by the tied head's stage
         "lora_llama_ddp": [*common, *LORA, *LLAMA],
         "lora_llama_pipeline": [*common, *LORA, *LLAMA, "--strategy", "pipeline", "--pp_size", "2",
                                 "--pp_microbatches", "2", "--per_device_train_batch_size", "4"],
@@ -119,6 +122,7 @@ def test_every_strategy_starts_from_the_same_new_rows_and_trains_them(runs, name
 LORA_RUNS = {
     "lora_ddp": ("lora_ddp", "builtin:gpt2-tiny", ["transformer.wte"]),  # the tied head follows the embedding
     "lora_fsdp": ("lora_ddp", "builtin:gpt2-tiny", ["transformer.wte"]),
+    "lora_pipeline": ("lora_ddp", "builtin:gpt2-tiny", ["transformer.wte"]),
     "lora_llama_ddp": ("lora_llama_ddp", "builtin:llama-tiny", ["model.embed_tokens", "lm_head"]),
     "lora_llama_pipeline": ("lora_llama_ddp", "builtin:llama-tiny", ["model.embed_tokens", "lm_head"]),
 }

@@ -106,8 +106,6 @@ ERRORS = [
     ("with_zero3", 2, ["--deepspeed", "{tmp}/ds.json"], "training.deepspeed"),
     ("with_fsdp", 2, ["--fsdp", "full_shard"], "training.fsdp"),
     ("with_compression", 2, ["--grad_compression", "fp16"], "strategy.grad_compression"),
-    ("lora_with_added_chat_tokens_on_tied_embeddings", 2, ["--model_name_or_path", "builtin:gpt2-tiny", "--lora_r", "4",
-                                                           "--chat_template", "chatml"], "data.add_chat_tokens"),
     ("resume_other_layout", 4, ["--output_dir", "{resume}", "--resume_from_checkpoint", "latest"],
      "training.resume_from_checkpoint"),
 ]
