@@ -24,8 +24,8 @@ CHAT = ["--chat_template", "chatml", "--block_size", "256", "--truncation", "tru
         "--packing", "none",  # the mode every engine honours (bfd: tests/integration/test_packing.py)
         "--eval_fraction", "0"]
 LLAMA = ["--model_name_or_path", "builtin:llama-tiny"]
-# Markers kept as text: LoRA with added chat tokens is refused under zero3 on CPU and pipeline on tied
-# embeddings (tests/integration/test_chat_tokens.py trains them under ddp and fsdp).
+# Markers kept as text: LoRA with added chat tokens is refused under zero3 on CPU (PEFT's trainable tokens;
+# tests/integration/test_chat_tokens.py trains them under ddp, fsdp and pipeline).
 LORA = ["--lora_r", "8", "--adam_epsilon", "1e-4", "--no_add_chat_tokens"]
 LORA_RUNS = ["lora_ddp", "lora_fsdp", "lora_zero3", "lora_pipeline"]
 REFERENCE = {"sp": "llama_single", **{name: "lora_single" for name in LORA_RUNS}}  # the rest compare with "single"
