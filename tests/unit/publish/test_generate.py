@@ -101,8 +101,9 @@ def test_bad_input_is_one_line_exit_2(llama, tmp_path, capsys):
         assert len(err) == 1 and needle in err[0], err
 
 
-def test_messages_rows_use_the_saved_chat_template(llama, tmp_path, capsys):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def chat_folder(llama, tmp_path):
+    """A copy of the llama checkpoint whose saved tokenizer has a small chat template."""
+    from transformers import AutoTokenizer
 
     folder = tmp_path / "chat"
     shutil.copytree(llama, folder)
@@ -110,6 +111,14 @@ def test_messages_rows_use_the_saved_chat_template(llama, tmp_path, capsys):
     tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                                "{% if add_generation_prompt %}<assistant>{% endif %}")
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_messages_rows_use_the_saved_chat_template(llama, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = chat_folder(llama, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     messages = [{"role": "user", "content": "the cat sat on"}]
     (tmp_path / "p.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
@@ -132,12 +141,8 @@ def test_chat_keeps_the_conversation_through_the_saved_template(llama, tmp_path,
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = tmp_path / "chat"
-    shutil.copytree(llama, folder)
+    folder = chat_folder(llama, tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}<assistant>{% endif %}")
-    tokenizer.save_pretrained(folder)
     plain = AutoModelForCausalLM.from_pretrained(folder).eval()
 
     def answer(messages):
