@@ -332,8 +332,16 @@ def share_fp32_master(zero: Any) -> int:
 
 
 def save_final(trainer: Any, out_dir: Path) -> None:
-    """The Trainer gathers ZeRO-3 partitions (16-bit gather flag on); then prove the folder complete."""
-    trainer.save_model(str(out_dir))
+    """The Trainer gathers ZeRO-3 partitions (16-bit gather flag on); then prove the folder complete.
+
+    ZeRO-1/2 hold the whole module on every rank: its own state dict is saved. The Trainer's ``save_model``
+    takes accelerate's ``get_state_dict``, which clones every tensor for DeepSpeed and so unties a tied LM
+    head from its embedding: ``save_pretrained`` then finds no shared storage and writes the head twice.
+    """
+    if trainer.model_wrapped.zero_optimization_stage() < 3:
+        trainer._save(str(out_dir), state_dict=trainer.accelerator.unwrap_model(trainer.model).state_dict())
+    else:
+        trainer.save_model(str(out_dir))
     if trainer.args.should_save:
         from hftk.checkpoint.hf_folder import check_complete, shapes_of
 
