@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from hftk.config import strategy_table
+from hftk.config.options import field_default
 from hftk.core import startup
 from hftk.engine import trainer as trainer_engine
 from hftk.engine.run_types import PreparedRun
@@ -20,6 +21,19 @@ def dpo_options(cfg: Any) -> dict[str, Any]:
     p = cfg.preference
     return dict(beta=p.beta, loss_type=[p.loss_type], max_length=p.max_length or cfg.data.block_size,
                 precompute_ref_log_probs=p.precompute_ref_log_probs)
+
+
+def trl_default_overrides(cfg: Any) -> dict[str, Any]:
+    """The run's value (``cfg.args``: set, else hftk's default, else TrainingArguments') of each field TRL's
+    DPOConfig defaults differently (TRL 1.16: bf16 None -> on unless fp16, gradient_checkpointing on,
+    learning_rate 1e-6, logging_steps 10). Without this an option left unset means something else under
+    ``--method dpo`` than under sft: bf16 autocast on CPU was the ~1e-4 parity gap to a fp32 reference."""
+    from transformers import TrainingArguments
+    from trl import DPOConfig
+
+    plain = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
+    return {f.name: getattr(cfg.args, f.name) for f in dataclasses.fields(DPOConfig)
+            if f.name in plain and field_default(f) != field_default(plain[f.name])}
 
 
 def preference_splits(prepared: PreparedRun, seed: int) -> tuple[Any, Any]:
@@ -42,7 +56,9 @@ def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
 
     cfg = prepared.cfg
     strategy = strategy_table.get(cfg.strategy.strategy)
-    extra = {**strategy.training_arguments(cfg, prepared.model_config), **dpo_options(cfg)}
+    # The strategy's own arguments (and the run's options, in build_training_arguments) over TRL's defaults.
+    extra = {**trl_default_overrides(cfg), **strategy.training_arguments(cfg, prepared.model_config),
+             **dpo_options(cfg)}
     args = trainer_engine.build_training_arguments(prepared, extra, arguments_class=DPOConfig)
     check_world(args.world_size)
     startup.mark("process_group")
