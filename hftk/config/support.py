@@ -216,10 +216,10 @@ if __name__ == "__main__":
         print(render_markdown(), end="")
 
 
-# Preference tuning (training.method dpo) through TRL's DPOTrainer (engine/preference.py): ddp trains it
-# (tests/integration/test_dpo.py). hftk's own loop (pipeline, tp, cp, sp) has no pairwise step with the reference
-# forward; fsdp and ZeRO are not yet run by that test, so they refuse before launch, naming why, until they are.
-DPO_STRATEGIES: tuple[str, ...] = ("ddp",)
+# Preference tuning (training.method dpo) through TRL's DPOTrainer (engine/preference.py): ddp, fsdp and ZeRO-1/2/3
+# train it with one-process TRL parity (tests/integration/test_dpo.py). hftk's own loop (pipeline, tp, cp, sp) has no
+# pairwise step with the reference forward; zero3_offload is not yet run by that test; they refuse before launch.
+DPO_STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 DPO_REFUSED = {
     strategy: Refusal("training.method", f"dpo is not supported with strategy {strategy}: " + (
         "hftk's own loop has no pairwise step (chosen and rejected with the reference forward)"
