@@ -230,7 +230,25 @@ DPO_REFUSED = {
 }
 
 
-def check_method(strategy: str, method: str) -> None:
+# DPO with LoRA: TRL 1.16 (DPOTrainer.__init__) gives a PeftModel without a ref_model a frozen "ref" copy of its
+# adapter, added and copied after hftk has sharded the policy: a plain tensor copied from an FSDP2 DTensor, or from
+# a ZeRO-3 partition (0 elements), fails. Where the adapter's parameters are whole (ddp, ZeRO-1/2) it trains.
+DPO_LORA_REFUSED = {
+    strategy: Refusal("model.lora_r", f"DPO with LoRA is not supported with strategy {strategy}: TRL copies the "
+                      "adapter into its frozen reference adapter after the policy is sharded, which it cannot do "
+                      "on sharded parameters.",
+                      f"use --strategy {' or '.join(s for s in DPO_STRATEGIES if s not in ('fsdp', 'zero3'))} for DPO "
+                      "with LoRA, or full fine-tuning (lora_r 0) under it.")
+    for strategy in ("fsdp", "zero3")
+}
+
+
+def dpo_refusal(strategy: str, lora: bool) -> Refusal | None:
+    """Why DPO does not run under ``strategy`` (with LoRA when ``lora``), or None."""
+    return DPO_REFUSED.get(strategy) or (DPO_LORA_REFUSED.get(strategy) if lora else None)
+
+
+def check_method(strategy: str, method: str, lora_r: int = 0) -> None:
     """Raise the table's refusal of ``method`` under ``strategy`` (sft trains everywhere)."""
-    if method == "dpo" and (refusal := DPO_REFUSED.get(strategy)) is not None:
+    if method == "dpo" and (refusal := dpo_refusal(strategy, lora_r > 0)) is not None:
         raise HftkError(refusal.field, refusal.problem, refusal.fix)

@@ -58,7 +58,13 @@ def reference_held(trainer: Any, strategy_name: str) -> str:
     stops the run before training instead of silently costing a model's memory on every rank."""
     ref, spec = trainer.ref_model, strategy_table.STRATEGIES[strategy_name]
     if ref is None:
-        return "the policy with its adapter disabled" if lora.is_peft(trainer.model) else "precomputed log-probs"
+        if not lora.is_peft(trainer.model):
+            return "precomputed log-probs"
+        # TRL gives a PeftModel without a reference a frozen copy of its adapter, "ref" (equal to the base while
+        # the adapter is fresh: lora_B starts at 0); without it, the base with the adapter disabled.
+        peft = trainer.accelerator.unwrap_model(trainer.model).peft_config
+        return ("the policy with a frozen copy of its starting adapter (no second model)" if "ref" in peft else
+                "the policy with its adapter disabled (no second model)")
     ranks = trainer.args.world_size
     if getattr(strategy_table.get(strategy_name), "SHARDS_PARAMETERS", False):
         from torch.distributed.tensor import DTensor

@@ -205,9 +205,15 @@ def parameter_counts(model: Any) -> dict[str, float]:
 
 # ---- gathering and saving ----
 
+def is_trained_adapter(name: str) -> bool:
+    """A weight of the adapter hftk trains (``default``); not another adapter beside it, such as the frozen
+    reference copy (``ref``) TRL's DPOTrainer adds."""
+    return "lora_" in name and (f".{ADAPTER_NAME}." in name or name.endswith(f".{ADAPTER_NAME}"))
+
+
 def adapter_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     """Full shape of every adapter weight by parameter name (LoRA without bias: what PEFT saves)."""
-    return {n: full_shape(p) for n, p in model.named_parameters() if "lora_" in n}
+    return {n: full_shape(p) for n, p in model.named_parameters() if is_trained_adapter(n)}
 
 
 def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
@@ -216,7 +222,7 @@ def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
     A collective under FSDP2 (``full_tensor``) and ZeRO-3 (``GatheredParameters``): every rank
     calls it, in the same parameter order; every rank gets the result.
     """
-    named = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    named = [(n, p) for n, p in model.named_parameters() if is_trained_adapter(n)]
     if any(hasattr(p, "ds_id") for _, p in named):
         import deepspeed
 

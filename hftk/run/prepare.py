@@ -43,7 +43,7 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
     validate.check_model(cfg, model_config)
     if cfg.strategy.strategy == "auto":
         cfg.strategy.strategy = estimate.resolve_auto(cfg, model_config, world_size)
-    support.check_method(cfg.strategy.strategy, cfg.preference.method)  # after auto: the strategy that runs
+    support.check_method(cfg.strategy.strategy, cfg.preference.method, cfg.model.lora_r)  # after auto: the strategy that runs
     strategy_table.get(cfg.strategy.strategy).validate(cfg, world_size)
     if read_tokenized and cfg.data.tokenized_path:
         from hftk.run import preprocess

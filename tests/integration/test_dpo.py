@@ -1,8 +1,8 @@
 """DPO through hftk equals a one-process TRL DPOTrainer: 2 gloo ranks under ddp (GPT-2 and Llama made from
-configs), fsdp and ZeRO-1/2/3 (GPT-2) give the same per-step loss, rewards/chosen, rewards/rejected and
-rewards/margins (fp32, 1e-5) and the same final weights; a short run on a learnable preference set lifts
-held-out rewards/accuracies above chance. The cells run on shared warm ranks (``finetune_cells``); the
-references (one per family) run in this process."""
+configs), fsdp and ZeRO-1/2/3 (GPT-2), and LoRA under ddp and ZeRO-2, give the same per-step loss,
+rewards/chosen, rewards/rejected and rewards/margins (fp32, 1e-5) and the same final weights (or adapter); a
+short run on a learnable preference set lifts held-out rewards/accuracies above chance. The cells run on shared
+warm ranks (``finetune_cells``); the references (one per family, with and without LoRA) run in this process."""
 
 from __future__ import annotations
 
@@ -19,13 +19,18 @@ from tests.helpers import finetune_cells, load_weights, make_family, max_weight_
 TOL = 1e-5
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins")
 STEPS, BATCH = 4, 8
-# (strategy, family) on 2 ranks, each against the one-process reference of its family.
-CELLS = [("ddp", "gpt2"), ("ddp", "llama"), ("fsdp", "gpt2"), ("zero1", "gpt2"), ("zero2", "gpt2"), ("zero3", "gpt2")]
+# (strategy, family, lora) on 2 ranks, each against the one-process reference of its family (and LoRA).
+CELLS = [("ddp", "gpt2", False), ("ddp", "llama", False), ("fsdp", "gpt2", False), ("zero1", "gpt2", False),
+         ("zero2", "gpt2", False), ("zero3", "gpt2", False),
+         ("ddp", "gpt2", True), ("zero2", "gpt2", True)]
+LORA = ["--lora_r", "8"]  # hftk's defaults otherwise: alpha 16, dropout 0, GPT-2's c_attn / c_proj / c_fc
 # How each strategy holds the reference (checked by hftk before training): sharded wherever the policy is.
-HELD = {"ddp": "a whole copy on each rank", "zero1": "a whole copy on each rank", "zero2": "a whole copy on each rank",
-        "fsdp": "sharded over 2 ranks (FSDP2)", "zero3": "partitioned over 2 ranks (ZeRO-3)"}
+WHOLE = "a whole copy on each rank"
+HELD = {"ddp": WHOLE, "zero1": WHOLE, "zero2": WHOLE, "fsdp": "sharded over 2 ranks (FSDP2)",
+        "zero3": "partitioned over 2 ranks (ZeRO-3)",
+        "lora": "the policy with a frozen copy of its starting adapter (no second model)"}
 # Six words of the same token length (built-in tokenizer): every row pads to the same length, so a rank's
-# batch of 4 and one process's batch of 8 run the same shapes (ruled out as the cause of the gap below).
+# batch of 4 and one process's batch of 8 run the same shapes.
 WORDS = "blue cat dog moon lamp rock".split()
 # Every cell runs on the first test's use of the fixture (DeepSpeed's first start on a machine builds its ops).
 pytestmark = pytest.mark.timeout(1800)
@@ -43,9 +48,14 @@ def _preferences(path: Path, rows: int, seed: int) -> Path:
     return path
 
 
-def _reference(model_dir: Path, data: Path, out: Path) -> tuple[list[dict], dict]:
+def _name(strategy: str, family: str, lora: bool) -> str:
+    return f"{strategy}_{family}" + ("_lora" if lora else "")
+
+
+def _reference(model_dir: Path, data: Path, out: Path, lora: bool) -> tuple[list[dict], dict]:
     """TRL's own DPOTrainer, one process, batch 8, fp32 (bf16 off: DPOConfig's default is on): its per-step
-    logs and final weights."""
+    logs and final weights (with ``lora``: PEFT's LoRA of the same config and seed; TRL's reference is then the
+    base with the adapter disabled; the adapter's weights)."""
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -53,6 +63,12 @@ def _reference(model_dir: Path, data: Path, out: Path) -> tuple[list[dict], dict
 
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(7)  # lora_A's draw
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                 target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True))
     args = DPOConfig(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=1e-3,
                      lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, seed=7, report_to=[],
                      save_strategy="no", eval_strategy="no", use_cpu=True, beta=0.1, max_length=64,
@@ -63,7 +79,15 @@ def _reference(model_dir: Path, data: Path, out: Path) -> tuple[list[dict], dict
     trainer.train()
     trainer.save_model(str(out / "final"))
     logs = [row for row in trainer.state.log_history if "rewards/chosen" in row]
-    return logs, load_weights(out / "final")
+    return logs, _saved(out / "final", lora)
+
+
+def _saved(folder: Path, lora: bool) -> dict:
+    if not lora:
+        return load_weights(folder)
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +97,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     models = {family: make_family(family, root / f"{family}_model") for family in ("gpt2", "llama")}
     common = ["--method", "dpo", "--dataset", str(data), "--per_device_train_batch_size", str(BATCH // 2),
               "--max_steps", str(STEPS), "--beta", "0.1", "--eval_fraction", "0", "--adam_epsilon", "1e-4"]
-    cells = {f"{strategy}_{family}": [*common, "--strategy", strategy, "--model_name_or_path", str(models[family]),
-                                      "--output_dir", str(root / f"{strategy}_{family}")]
-             for strategy, family in CELLS}
+    cells = {_name(*cell): [*common, "--strategy", cell[0], "--model_name_or_path", str(models[cell[1]]),
+                            *(LORA if cell[2] else []), "--output_dir", str(root / _name(*cell))] for cell in CELLS}
     learn = _preferences(root / "learn.jsonl", 400, 1)
     cells["learn"] = ["--method", "dpo", "--dataset", str(learn), "--per_device_train_batch_size", "8",
                       "--max_steps", "60", "--eval_fraction", "0.2", "--eval_strategy", "steps", "--eval_steps", "60",
@@ -86,9 +109,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def references(runs) -> dict[str, tuple[list[dict], dict]]:
-    """Each family's one-process TRL run: its logs and weights."""
-    return {family: _reference(runs[family], runs["data"], runs["root"] / f"ref_{family}")
-            for family in sorted({family for _, family in CELLS})}
+    """Each (family, lora)'s one-process TRL run: its logs and weights."""
+    return {(family, lora): _reference(runs[family], runs["data"], runs["root"] / _name("ref", family, lora), lora)
+            for family, lora in sorted({cell[1:] for cell in CELLS})}
 
 
 def _tied_once(weights: dict) -> dict:
@@ -100,18 +123,22 @@ def _tied_once(weights: dict) -> dict:
     return weights
 
 
-@pytest.mark.parametrize("strategy, family", CELLS, ids=[f"{s}-{f}" for s, f in CELLS])
-def test_equals_one_process_trl(runs, references, strategy, family) -> None:
-    ref_logs, ref_weights = references[family]
-    out = runs["root"] / f"{strategy}_{family}"
-    assert f"hftk: DPO reference: {HELD[strategy]}\n" in runs["outputs"][f"{strategy}_{family}"]
+@pytest.mark.parametrize("strategy, family, lora", CELLS, ids=[_name(*cell) for cell in CELLS])
+def test_equals_one_process_trl(runs, references, strategy, family, lora) -> None:
+    """Under LoRA no second model exists: TRL's reference is the policy with a frozen copy of its starting
+    adapter (equal to the base: lora_B starts at 0)."""
+    ref_logs, ref_weights = references[family, lora]
+    out = runs["root"] / _name(strategy, family, lora)
+    assert f"hftk: DPO reference: {HELD['lora' if lora else strategy]}\n" in runs["outputs"][_name(strategy, family, lora)]
     ours = [row for row in metrics(out) if "rewards/chosen" in row]
     assert [row["step"] for row in ours] == list(range(1, STEPS + 1))
     for step, (mine, theirs) in enumerate(zip(ours, ref_logs, strict=True), start=1):
         for key in KEYS:
             assert mine[key] == pytest.approx(theirs[key], abs=TOL), (step, key, mine[key], theirs[key])
     assert ours[-1]["rewards/margins"] != 0  # the policy moved away from the reference
-    assert max_weight_diff(_tied_once(load_weights(out / "final")), _tied_once(ref_weights)) < TOL
+    assert max_weight_diff(_tied_once(_saved(out / "final", lora)), _tied_once(ref_weights)) < TOL
+    if lora:
+        assert not (out / "final" / "model.safetensors").exists()  # the adapter alone
 
 
 def test_held_out_preference_accuracy_rises_above_chance(runs) -> None:

@@ -402,6 +402,8 @@ def test_fp16_weights_are_fine_where_fp32_master_weights_exist(args, tmp_path, m
     ([{"prompt": "a", "chosen": "b", "rejected": "b"}], [], "data.dataset", "'chosen' equals 'rejected'"),
     ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--strategy", "zero3_offload"], "training.method",
      "not supported with strategy zero3_offload"),
+    ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--strategy", "fsdp", "--lora_r", "8"], "model.lora_r",
+     "DPO with LoRA is not supported with strategy fsdp"),
     ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--strategy", "pipeline", "--pp_size", "1"],
      "training.method", "no pairwise step"),
     ([{"prompt": "a", "chosen": "b", "rejected": "c"}], ["--beta", "0"], "training.beta", "must be in (0, 100]"),
