@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -129,7 +130,8 @@ def test_equals_one_process_trl(runs, references, strategy, family, lora) -> Non
     adapter (equal to the base: lora_B starts at 0)."""
     ref_logs, ref_weights = references[family, lora]
     out = runs["root"] / _name(strategy, family, lora)
-    assert f"hftk: DPO reference: {HELD['lora' if lora else strategy]}\n" in runs["outputs"][_name(strategy, family, lora)]
+    held = HELD["lora" if lora else strategy]
+    assert f"hftk: DPO reference: {held}\n" in runs["outputs"][_name(strategy, family, lora)]
     ours = [row for row in metrics(out) if "rewards/chosen" in row]
     assert [row["step"] for row in ours] == list(range(1, STEPS + 1))
     for step, (mine, theirs) in enumerate(zip(ours, ref_logs, strict=True), start=1):
@@ -144,3 +146,15 @@ def test_equals_one_process_trl(runs, references, strategy, family, lora) -> Non
 def test_held_out_preference_accuracy_rises_above_chance(runs) -> None:
     evals = [row for row in metrics(runs["root"] / "learn") if "eval_rewards/accuracies" in row]
     assert evals and evals[-1]["eval_rewards/accuracies"] >= 0.8, evals
+    assert not any("eval_perplexity" in row for row in metrics(runs["root"] / "learn"))  # not of a pairwise loss
+    accuracy = evals[-1]["eval_rewards/accuracies"]
+    assert re.search(rf"^hftk: done: step 60 in \d+ s, eval DPO loss [\d.]+, preference accuracy {accuracy:.3f}; ",
+                     runs["outputs"]["learn"], re.M), runs["outputs"]["learn"][-2000:]
+
+
+def test_run_record_and_model_card_say_dpo(runs) -> None:
+    final = runs["root"] / "learn" / "final"
+    hyper = json.loads((final / "hftk_run.json").read_text())["hyperparameters"]
+    assert (hyper["method"], hyper["beta"], hyper["loss_type"]) == ("dpo", 0.1, "sigmoid")
+    assert "- method: **DPO** (Direct Preference Optimization, TRL's DPOTrainer), beta 0.1, loss sigmoid" in \
+        (final / "README.md").read_text()
