@@ -166,30 +166,30 @@ def check_lora(strategy: str, lora_r: int) -> None:
         raise HftkError(refusal.field, refusal.problem, refusal.fix)
 
 
-# Preference tuning (training.method dpo) through TRL's DPOTrainer (engine/preference.py): ddp, fsdp and ZeRO-1/2/3
-# train it with one-process TRL parity (tests/integration/test_dpo.py). hftk's own loop (pipeline, tp, cp, sp) has no
-# pairwise step with the reference forward; zero3_offload is not yet run by that test; they refuse before launch.
-DPO_STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+# Preference tuning (training.method dpo) through TRL's DPOTrainer (engine/preference.py): ddp, fsdp and every ZeRO
+# stage train it with one-process TRL parity (tests/integration/test_dpo.py). hftk's own loop (pipeline, tp, cp, sp)
+# has no pairwise step with the reference forward; it refuses before launch.
+DPO_STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload")
 DPO_REFUSED = {
-    strategy: Refusal("training.method", f"dpo is not supported with strategy {strategy}: " + (
-        "hftk's own loop has no pairwise step (chosen and rejected with the reference forward)"
-        if TABLE[strategy].engine == "loop" else
-        "DPO under it is not yet verified against a one-process TRL run") + ".",
-        f"use --strategy {' or '.join(DPO_STRATEGIES)} for DPO, or --method sft.")
+    strategy: Refusal("training.method", f"dpo is not supported with strategy {strategy}: hftk's own loop has no "
+                      "pairwise step (chosen and rejected with the reference forward).",
+                      f"use --strategy {' or '.join(DPO_STRATEGIES)} for DPO, or --method sft.")
     for strategy in STRATEGIES if strategy not in DPO_STRATEGIES
 }
+assert all(TABLE[s].engine == "loop" for s in DPO_REFUSED), "every Trainer strategy trains DPO"
 
 
 # DPO with LoRA: TRL 1.16 (DPOTrainer.__init__) gives a PeftModel without a ref_model a frozen "ref" copy of its
 # adapter, added and copied after hftk has sharded the policy: a plain tensor copied from an FSDP2 DTensor, or from
 # a ZeRO-3 partition (0 elements), fails. Where the adapter's parameters are whole (ddp, ZeRO-1/2) it trains.
+_DPO_LORA_SHARDED = ("fsdp", "zero3", "zero3_offload")
 DPO_LORA_REFUSED = {
     strategy: Refusal("model.lora_r", f"DPO with LoRA is not supported with strategy {strategy}: TRL copies the "
                       "adapter into its frozen reference adapter after the policy is sharded, which it cannot do "
                       "on sharded parameters.",
-                      f"use --strategy {' or '.join(s for s in DPO_STRATEGIES if s not in ('fsdp', 'zero3'))} for DPO "
-                      "with LoRA, or full fine-tuning (lora_r 0) under it.")
-    for strategy in ("fsdp", "zero3")
+                      f"use --strategy {' or '.join(s for s in DPO_STRATEGIES if s not in _DPO_LORA_SHARDED)} for "
+                      "DPO with LoRA, or full fine-tuning (lora_r 0) under it.")
+    for strategy in _DPO_LORA_SHARDED
 }
 
 

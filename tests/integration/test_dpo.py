@@ -1,5 +1,5 @@
-"""DPO through hftk equals a one-process TRL DPOTrainer: 2 gloo ranks under ddp (GPT-2 and Llama made from
-configs), fsdp and ZeRO-1/2/3 (GPT-2), and LoRA under ddp and ZeRO-2, give the same per-step loss,
+"""DPO through hftk equals a one-process TRL DPOTrainer: 2 gloo ranks under ddp (GPT-2, Llama and Qwen2 made
+from configs), fsdp and ZeRO-1/2/3/3-offload (GPT-2), and LoRA under ddp and ZeRO-2, give the same per-step loss,
 rewards/chosen, rewards/rejected and rewards/margins (fp32, 1e-5) and the same final weights (or adapter); a
 short run on a learnable preference set lifts held-out rewards/accuracies above chance. The cells run on shared
 warm ranks (``finetune_cells``); the references (one per family, with and without LoRA) run in this process."""
@@ -21,14 +21,14 @@ TOL = 1e-5
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins")
 STEPS, BATCH = 4, 8
 # (strategy, family, lora) on 2 ranks, each against the one-process reference of its family (and LoRA).
-CELLS = [("ddp", "gpt2", False), ("ddp", "llama", False), ("fsdp", "gpt2", False), ("zero1", "gpt2", False),
-         ("zero2", "gpt2", False), ("zero3", "gpt2", False),
+CELLS = [("ddp", "gpt2", False), ("ddp", "llama", False), ("ddp", "qwen2", False), ("fsdp", "gpt2", False),
+         ("zero1", "gpt2", False), ("zero2", "gpt2", False), ("zero3", "gpt2", False), ("zero3_offload", "gpt2", False),
          ("ddp", "gpt2", True), ("zero2", "gpt2", True)]
 LORA = ["--lora_r", "8"]  # hftk's defaults otherwise: alpha 16, dropout 0, GPT-2's c_attn / c_proj / c_fc
 # How each strategy holds the reference (checked by hftk before training): sharded wherever the policy is.
 WHOLE = "a whole copy on each rank"
 HELD = {"ddp": WHOLE, "zero1": WHOLE, "zero2": WHOLE, "fsdp": "sharded over 2 ranks (FSDP2)",
-        "zero3": "partitioned over 2 ranks (ZeRO-3)",
+        "zero3": "partitioned over 2 ranks (ZeRO-3)", "zero3_offload": "partitioned over 2 ranks (ZeRO-3)",
         "lora": "the policy with a frozen copy of its starting adapter (no second model)"}
 # Six words of the same token length (built-in tokenizer): every row pads to the same length, so a rank's
 # batch of 4 and one process's batch of 8 run the same shapes.
@@ -95,7 +95,7 @@ def _saved(folder: Path, lora: bool) -> dict:
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dpo")
     data = _preferences(root / "prefs.jsonl", 64, 0)
-    models = {family: make_family(family, root / f"{family}_model") for family in ("gpt2", "llama")}
+    models = {family: make_family(family, root / f"{family}_model") for family in {cell[1] for cell in CELLS}}
     common = ["--method", "dpo", "--dataset", str(data), "--per_device_train_batch_size", str(BATCH // 2),
               "--max_steps", str(STEPS), "--beta", "0.1", "--eval_fraction", "0", "--adam_epsilon", "1e-4"]
     cells = {_name(*cell): [*common, "--strategy", cell[0], "--model_name_or_path", str(models[cell[1]]),
