@@ -373,7 +373,7 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
                 for name, cls in SECTIONS.items()}
     training_fields = _training_fields()
     training = {k: v for k, v in values.items()
-                if k in training_fields and v not in (None, _field_default(training_fields[k]))}
+                if k in training_fields and v not in (None, field_default(training_fields[k]))}
     for key in TRAINING_DEFAULTS:
         training[key] = values[key]
     # The declared annotations: HfArgumentParser narrows the fields' ``type`` in place (``int | None`` -> int).
@@ -392,7 +392,7 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
 
 def training_defaults() -> dict[str, Any]:
     """Every TrainingArguments option's value in a run that does not set it (None where the field has no default)."""
-    own = {name: _field_default(f) for name, f in _training_fields().items()}
+    own = {name: field_default(f) for name, f in _training_fields().items()}
     return {**{k: None if v is dataclasses.MISSING else v for k, v in own.items()}, **TRAINING_DEFAULTS}
 
 
@@ -415,7 +415,7 @@ def _check_value(name: str, value: Any, annotation: str, choices: list[str] | No
         raise HftkError(name, f"'{value}' is not one of {', '.join(choices)}.", f"use one of: {', '.join(choices)}.")
 
 
-def _field_default(f: dataclasses.Field) -> Any:
+def field_default(f: dataclasses.Field) -> Any:
     """The field's default (``dataclasses.MISSING`` when it has none)."""
     return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
 

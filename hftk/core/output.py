@@ -150,12 +150,18 @@ def kineto_markers_dropped() -> Iterator[None]:
 
 
 def done_line(seconds: float, step: int, eval_loss: float | None, final: str, resumed_step: int | None,
-              resumes: bool, newest_checkpoint: int | None) -> str:
-    """The line every run ends on (rank 0): how long, how good, where the model is, what a rerun does."""
+              resumes: bool, newest_checkpoint: int | None, preference_accuracy: float | None = None) -> str:
+    """The line every run ends on (rank 0): how long, how good, where the model is, what a rerun does.
+    ``preference_accuracy`` (a DPO run's eval ``rewards/accuracies``): its eval loss is DPO's pairwise loss, of
+    which a perplexity would mean nothing, so the held-out preference accuracy is said instead."""
     import math
 
-    quality = f"eval loss {eval_loss:.4f}, perplexity {math.exp(min(eval_loss, 700)):.2f}" if eval_loss is not None \
-        else "no held-out data"
+    if eval_loss is None:
+        quality = "no held-out data"
+    elif preference_accuracy is not None:
+        quality = f"eval DPO loss {eval_loss:.4f}, preference accuracy {preference_accuracy:.3f}"
+    else:
+        quality = f"eval loss {eval_loss:.4f}, perplexity {math.exp(min(eval_loss, 700)):.2f}"
     if resumed_step == step:
         return (f"hftk: the run was already complete at step {step}: nothing left to train ({quality}); "
                 f"the model is in {final} ({seconds:.0f} s)")

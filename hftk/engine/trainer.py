@@ -108,7 +108,8 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
     metrics_cb = MetricsCallback(cfg.output_dir / cfg.tracking.metrics_file, tokens_per_step=tokens_per_step,
                                  samples_per_step=samples_per_step,
                                  flops_per_step=tokens_per_step * flops_per_token(trainer.model, cfg.data.block_size),
-                                 peak_flops=peak * args.world_size if peak else None)
+                                 peak_flops=peak * args.world_size if peak else None,
+                                 perplexity=cfg.preference.method == "sft")
     # First in line so tensorboard / wandb see the throughput and perplexity it adds to each log.
     trainer.callback_handler.callbacks.insert(0, metrics_cb)
     # Ahead of it: per-rank memory, comm share and imbalance join the same log line.

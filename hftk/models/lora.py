@@ -228,9 +228,16 @@ def parameter_counts(model: Any) -> dict[str, float]:
 
 # ---- gathering and saving ----
 
+def is_trained_adapter(name: str) -> bool:
+    """A weight of the adapter hftk trains (``default``: LoRA, and trainable tokens where chat markers were
+    added); not another adapter beside it, such as the frozen reference copy (``ref``) TRL's DPOTrainer adds."""
+    return ("lora_" in name or "trainable_tokens_" in name) and (f".{ADAPTER_NAME}." in name
+                                                                  or name.endswith(f".{ADAPTER_NAME}"))
+
+
 def adapter_parameters(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
-    """What PEFT saves of this adapter, by parameter name: the LoRA weights (no bias), and with trainable
-    tokens (chat markers added) their rows and the embeddings they were added to, whole: PEFT saves a resized
+    """What PEFT saves of this adapter, by parameter name: the trained adapter's weights (no bias), and with
+    trainable tokens (chat markers added) the embeddings they were added to, whole: PEFT saves a resized
     vocabulary's embedding layers (``save_embedding_layers="auto"``), so the adapter reloads with the very
     rows it was trained beside (an untied LM head's new rows are drawn at random, never trained)."""
     embeddings: set[int] = set()
@@ -238,8 +245,7 @@ def adapter_parameters(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
         base = model.get_base_model()
         for layer in filter(None, (base.get_input_embeddings(), base.get_output_embeddings())):
             embeddings |= {id(p) for p in layer.parameters()}
-    return [(n, p) for n, p in model.named_parameters()
-            if "lora_" in n or "trainable_tokens_" in n or id(p) in embeddings]
+    return [(n, p) for n, p in model.named_parameters() if is_trained_adapter(n) or id(p) in embeddings]
 
 
 def adapter_shapes(model: Any) -> dict[str, tuple[int, ...]]:

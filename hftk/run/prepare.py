@@ -43,7 +43,8 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
     validate.check_model(cfg, model_config)
     if cfg.strategy.strategy == "auto":
         cfg.strategy.strategy = estimate.resolve_auto(cfg, model_config, world_size)
-    support.check_method(cfg.strategy.strategy, cfg.preference.method)  # after auto: the strategy that runs
+    # after auto: the strategy that runs
+    support.check_method(cfg.strategy.strategy, cfg.preference.method, cfg.model.lora_r)
     strategy_table.get(cfg.strategy.strategy).validate(cfg, world_size)
     if read_tokenized and cfg.data.tokenized_path:
         from hftk.run import preprocess
@@ -158,9 +159,11 @@ def _done(cfg: RunConfig, resumed_step: int | None) -> str:
 
     final = cfg.output_dir / FINAL_DIR
     record = json.loads((final / RUN_FILE).read_text())
-    return output.done_line(startup.elapsed(), record["global_step"], record["metrics"].get("eval_loss"), str(final),
+    metrics = record["metrics"]
+    accuracy = metrics.get("eval_rewards/accuracies") if cfg.preference.method == "dpo" else None
+    return output.done_line(startup.elapsed(), record["global_step"], metrics.get("eval_loss"), str(final),
                             resumed_step, cfg.training.get("resume_from_checkpoint") == "latest",
-                            _checkpoint_step(_resume_checkpoint(cfg.output_dir, "latest")))
+                            _checkpoint_step(_resume_checkpoint(cfg.output_dir, "latest")), accuracy)
 
 
 def exit_without_teardown(code: int) -> None:
