@@ -217,6 +217,28 @@ def max_weight_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def greedy_ids(model: Any, tokenizer: Any, prompt: str = "In the beginning", new_tokens: int = 8) -> list[int]:
+    """Plain transformers: ``model.generate``'s greedy new token ids for ``prompt`` (the reference)."""
+    import torch
+
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.eval().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                    do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def hftk_greedy_ids(checkpoint: Path, prompt: str = "In the beginning", new_tokens: int = 8) -> list[int]:
+    """``hftk generate``'s greedy new token ids for ``prompt`` from a checkpoint folder, loaded as it loads it."""
+    from transformers import GenerationConfig
+
+    from hftk.publish.generate import generate, load
+
+    model, tokenizer = load(checkpoint)
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return generate(model, tokenizer, prompt, config).tolist()
+
+
 def wandb_run(output_dir: Path) -> dict[str, Any]:
     """The offline wandb run under ``output_dir/wandb``, read from its own ``.wandb`` file: history rows
     and config. That file is a LevelDB-format log (32 KiB blocks, 7-byte record headers) of wandb's

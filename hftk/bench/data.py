@@ -123,7 +123,8 @@ def bfd_packing(argv: list[str]) -> dict[str, Any]:
     from hftk.run.prepare import prepare
 
     p = prepare(argv)
-    train = tokenize_sources(p.sources, load_tokenizer(p.cfg.model, p.cfg.data.chat_template), p.cfg.args.seed).train
+    tokenizer = load_tokenizer(p.cfg.model, p.cfg.data.chat_template, p.cfg.data.add_chat_tokens)
+    train = tokenize_sources(p.sources, tokenizer, p.cfg.args.seed).train
     examples = sum(len(lengths) for lengths in train["seq_lengths"])
     return {"train_examples": examples, "train_rows": len(train), "examples_per_row": examples / len(train)}
 

@@ -43,6 +43,8 @@ def run_record(cfg: Any, args: Any, world_size: int, data_format: str, step: int
     hyper["block_size"] = cfg.data.block_size
     if cfg.model.lora_r:
         hyper.update(lora_r=cfg.model.lora_r, lora_alpha=cfg.model.lora_alpha, lora_dropout=cfg.model.lora_dropout)
+    if cfg.preference.method == "dpo":
+        hyper.update(method="dpo", beta=cfg.preference.beta, loss_type=cfg.preference.loss_type)
     return {"hftk_version": __version__, "config": cfg.to_dict(), "world_size": world_size,
             "data_parallel_size": replicas, "data_format": data_format,
             "datasets": describe_datasets(cfg.data), "hyperparameters": hyper, "global_step": step,
@@ -107,6 +109,9 @@ def model_card(record: dict[str, Any], repo_id: str | None) -> str:
     if any(is_hub_id(d["path"]) for d in sources):
         meta["datasets"] = [d["path"] for d in sources if is_hub_id(d["path"])]
     world, hyper = record["world_size"], record["hyperparameters"]
+    dpo = hyper.get("method") == "dpo"
+    if dpo:
+        meta["tags"].insert(2, "dpo")
     name = repo_id.split("/")[-1] if repo_id else "fine-tuned model"
     lines = [
         "---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "",
@@ -126,6 +131,8 @@ def model_card(record: dict[str, Any], repo_id: str | None) -> str:
         f"- strategy: **{strategy['strategy']}** over {world} process(es)"
         + (f", {record['data_parallel_size']} data-parallel replica(s)"
            if record.get("data_parallel_size", world) != world else ""),
+        *([f"- method: **DPO** (Direct Preference Optimization, TRL's DPOTrainer), beta {hyper['beta']}, "
+           f"loss {hyper['loss_type']}"] if dpo else []),
         f"- optimizer steps: {record['global_step']}", "",
         "| hyperparameter | value |", "|---|---|",
         *[f"| {k} | {v} |" for k, v in hyper.items()], "",

@@ -128,6 +128,11 @@ class DataConfig:
     chat_template: str | None = _opt(
         None, "Chat template for conversations: a shipped name (chatml) or a Jinja file; overrides the tokenizer's "
         "own. Needed when the tokenizer has none. It is saved with the tokenizer in every checkpoint and in final/.")
+    add_chat_tokens: bool = _opt(
+        True, "When the chosen chat template writes <|...|> markers that are not single tokens of the tokenizer (chatml "
+        "on GPT-2 or most base models): add them as special tokens, make the template's end-of-turn marker the EOS "
+        "(tokenizer, config, generation config) and grow the embeddings to match (new rows trained, with LoRA too). "
+        "--no_add_chat_tokens keeps them as plain text and the tokenizer's EOS.")
     train_on_prompt: bool = _opt(
         False, "Conversations: put the loss on system / user turns too, not only on the assistant turns.")
     on_bad_row: str = _opt("error", "A row that does not fit its format (unknown role, empty assistant turn, no final "
@@ -386,7 +391,7 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
                 for name, cls in SECTIONS.items()}
     training_fields = _training_fields()
     training = {k: v for k, v in values.items()
-                if k in training_fields and v not in (None, _field_default(training_fields[k]))}
+                if k in training_fields and v not in (None, field_default(training_fields[k]))}
     for key in TRAINING_DEFAULTS:
         training[key] = values[key]
     # The declared annotations: HfArgumentParser narrows the fields' ``type`` in place (``int | None`` -> int).
@@ -405,7 +410,7 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
 
 def training_defaults() -> dict[str, Any]:
     """Every TrainingArguments option's value in a run that does not set it (None where the field has no default)."""
-    own = {name: _field_default(f) for name, f in _training_fields().items()}
+    own = {name: field_default(f) for name, f in _training_fields().items()}
     return {**{k: None if v is dataclasses.MISSING else v for k, v in own.items()}, **TRAINING_DEFAULTS}
 
 
@@ -428,7 +433,7 @@ def _check_value(name: str, value: Any, annotation: str, choices: list[str] | No
         raise HftkError(name, f"'{value}' is not one of {', '.join(choices)}.", f"use one of: {', '.join(choices)}.")
 
 
-def _field_default(f: dataclasses.Field) -> Any:
+def field_default(f: dataclasses.Field) -> Any:
     """The field's default (``dataclasses.MISSING`` when it has none)."""
     return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
 

@@ -1,5 +1,5 @@
 """What hftk supports: every strategy x model family x {full fine-tuning, LoRA}, plus a quantized
-(QLoRA) base per strategy, in one table.
+(QLoRA) base and preference tuning (DPO, full and LoRA) per strategy, in one table.
 
 What each strategy allows is a flag in the strategy table (:data:`hftk.config.strategy_table.STRATEGIES`); this
 module says why each refusal is one and raises it. The strategies' validators take their LoRA refusals
@@ -7,7 +7,7 @@ from here (:func:`check_lora`), the packing modes each strategy honours (:func:`
 support table is rendered from it (``python -m hftk.config.support README.md`` rewrites it;
 tests/unit/config/test_support.py keeps the README equal), and tests/integration/test_matrix.py runs every cell on
 2 ranks and asserts each one trains and saves a loadable ``final/`` or is refused before launch exactly as
-:func:`expected` says.
+:func:`expected` says (the DPO column: tests/integration/test_dpo.py, against one-process TRL).
 """
 
 from __future__ import annotations
@@ -166,6 +166,44 @@ def check_lora(strategy: str, lora_r: int) -> None:
         raise HftkError(refusal.field, refusal.problem, refusal.fix)
 
 
+# Preference tuning (training.method dpo) through TRL's DPOTrainer (engine/preference.py): ddp, fsdp and every ZeRO
+# stage train it with one-process TRL parity (tests/integration/test_dpo.py). hftk's own loop (pipeline, tp, cp, sp)
+# has no pairwise step with the reference forward; it refuses before launch.
+DPO_STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload")
+DPO_REFUSED = {
+    strategy: Refusal("training.method", f"dpo is not supported with strategy {strategy}: hftk's own loop has no "
+                      "pairwise step (chosen and rejected with the reference forward).",
+                      f"use --strategy {' or '.join(DPO_STRATEGIES)} for DPO, or --method sft.")
+    for strategy in STRATEGIES if strategy not in DPO_STRATEGIES
+}
+assert all(TABLE[s].engine == "loop" for s in DPO_REFUSED), "every Trainer strategy trains DPO"
+
+
+# DPO with LoRA: TRL 1.16 (DPOTrainer.__init__) gives a PeftModel without a ref_model a frozen "ref" copy of its
+# adapter, added and copied after hftk has sharded the policy: a plain tensor copied from an FSDP2 DTensor, or from
+# a ZeRO-3 partition (0 elements), fails. Where the adapter's parameters are whole (ddp, ZeRO-1/2) it trains.
+_DPO_LORA_SHARDED = ("fsdp", "zero3", "zero3_offload")
+DPO_LORA_REFUSED = {
+    strategy: Refusal("model.lora_r", f"DPO with LoRA is not supported with strategy {strategy}: TRL copies the "
+                      "adapter into its frozen reference adapter after the policy is sharded, which it cannot do "
+                      "on sharded parameters.",
+                      f"use --strategy {' or '.join(s for s in DPO_STRATEGIES if s not in _DPO_LORA_SHARDED)} for "
+                      "DPO with LoRA, or full fine-tuning (lora_r 0) under it.")
+    for strategy in _DPO_LORA_SHARDED
+}
+
+
+def dpo_refusal(strategy: str, lora: bool) -> Refusal | None:
+    """Why DPO does not run under ``strategy`` (with LoRA when ``lora``), or None."""
+    return DPO_REFUSED.get(strategy) or (DPO_LORA_REFUSED.get(strategy) if lora else None)
+
+
+def check_method(strategy: str, method: str, lora_r: int = 0) -> None:
+    """Raise the table's refusal of ``method`` under ``strategy`` (sft trains everywhere)."""
+    if method == "dpo" and (refusal := dpo_refusal(strategy, lora_r > 0)) is not None:
+        raise HftkError(refusal.field, refusal.problem, refusal.fix)
+
+
 def render_markdown() -> str:
     """The README's support table (between its ``support-table`` markers), notes numbered per refusal."""
     notes: list[Refusal] = []
@@ -185,10 +223,18 @@ def render_markdown() -> str:
         refusal = QUANT_REFUSED.get(strategy)
         return "QLoRA" if refusal is None else f"refused {mark(refusal)}"
 
+    def dpo(strategy: str) -> str:
+        full, lora = dpo_refusal(strategy, False), dpo_refusal(strategy, True)
+        if full is not None:
+            return f"refused {mark(full)}"
+        return "full, LoRA" if lora is None else f"full; LoRA refused {mark(lora)}"
+
     families = list(FAMILIES)
-    lines = ["| strategy | " + " | ".join(FAMILIES[f].name for f in families) + " | 4/8-bit base (QLoRA; GPT-2, Llama) |",
-             "|---" * (len(families) + 2) + "|"]
-    lines += [f"| {s} | " + " | ".join(cell(s, f) for f in families) + f" | {quantized(s)} |" for s in STRATEGIES]
+    lines = ["| strategy | " + " | ".join(FAMILIES[f].name for f in families)
+             + " | 4/8-bit base (QLoRA; GPT-2, Llama) | DPO (`--method dpo`) |",
+             "|---" * (len(families) + 3) + "|"]
+    lines += [f"| {s} | " + " | ".join(cell(s, f) for f in families) + f" | {quantized(s)} | {dpo(s)} |"
+              for s in STRATEGIES]
     lines += [""] + [f"[{i}] `{r.field}`: {r.problem}" + ("  " if i < len(notes) else "")
                      for i, r in enumerate(notes, 1)]
     return "\n".join(lines) + "\n"
@@ -214,23 +260,3 @@ if __name__ == "__main__":
         Path(sys.argv[1]).write_text(with_table(Path(sys.argv[1]).read_text()))
     else:
         print(render_markdown(), end="")
-
-
-# Preference tuning (training.method dpo) through TRL's DPOTrainer (engine/preference.py): ddp trains it
-# (tests/integration/test_dpo.py). hftk's own loop (pipeline, tp, cp, sp) has no pairwise step with the reference
-# forward; fsdp and ZeRO are not yet run by that test, so they refuse before launch, naming why, until they are.
-DPO_STRATEGIES: tuple[str, ...] = ("ddp",)
-DPO_REFUSED = {
-    strategy: Refusal("training.method", f"dpo is not supported with strategy {strategy}: " + (
-        "hftk's own loop has no pairwise step (chosen and rejected with the reference forward)"
-        if TABLE[strategy].engine == "loop" else
-        "DPO under it is not yet verified against a one-process TRL run"),
-        f"use --strategy {' or '.join(DPO_STRATEGIES)} for DPO, or --method sft.")
-    for strategy in STRATEGIES if strategy not in DPO_STRATEGIES
-}
-
-
-def check_method(strategy: str, method: str) -> None:
-    """Raise the table's refusal of ``method`` under ``strategy`` (sft trains everywhere)."""
-    if method == "dpo" and (refusal := DPO_REFUSED.get(strategy)) is not None:
-        raise HftkError(refusal.field, refusal.problem, refusal.fix)

@@ -2,7 +2,7 @@
 
 The libraries under hftk each print their own notices: DeepSpeed's accelerator guess (every rank, every
 import), its "op built successfully" note and torch's deprecation warnings for the collectives ZeRO calls, transformers'
-weight-loading and shard-writing bars and two advisory warnings about choices hftk made on purpose,
+weight-loading and shard-writing bars and three advisory warnings about choices hftk made on purpose,
 ``datasets``' map bars, the ``[INFO] Running in WANDB offline mode`` line every rank prints at import,
 wandb's run history tables, libkineto's profiler markers. :func:`quiet_libraries` turns each off at its
 source with the library's own switch, once, before a run imports them; :func:`printed_lines_dropped`
@@ -33,6 +33,9 @@ DROPPED_WARNINGS = (
                                               r"\{'pad_token_id': \d+\}\.\Z", re.S)),
     # a config without `loss_type` gets the causal LM loss, which is the loss hftk trains with
     ("transformers.modeling_utils", re.compile(r"`loss_type=None` was set in the config but it is unrecognized")),
+    # chat markers added as tokens: hftk grows the embeddings with mean resizing on purpose and says so in one line
+    ("transformers.modeling_utils", re.compile(r"The new (embeddings|lm_head weights) will be initialized from a "
+                                               r"multivariate normal distribution")),
 )
 
 
@@ -147,12 +150,18 @@ def kineto_markers_dropped() -> Iterator[None]:
 
 
 def done_line(seconds: float, step: int, eval_loss: float | None, final: str, resumed_step: int | None,
-              resumes: bool, newest_checkpoint: int | None) -> str:
-    """The line every run ends on (rank 0): how long, how good, where the model is, what a rerun does."""
+              resumes: bool, newest_checkpoint: int | None, preference_accuracy: float | None = None) -> str:
+    """The line every run ends on (rank 0): how long, how good, where the model is, what a rerun does.
+    ``preference_accuracy`` (a DPO run's eval ``rewards/accuracies``): its eval loss is DPO's pairwise loss, of
+    which a perplexity would mean nothing, so the held-out preference accuracy is said instead."""
     import math
 
-    quality = f"eval loss {eval_loss:.4f}, perplexity {math.exp(min(eval_loss, 700)):.2f}" if eval_loss is not None \
-        else "no held-out data"
+    if eval_loss is None:
+        quality = "no held-out data"
+    elif preference_accuracy is not None:
+        quality = f"eval DPO loss {eval_loss:.4f}, preference accuracy {preference_accuracy:.3f}"
+    else:
+        quality = f"eval loss {eval_loss:.4f}, perplexity {math.exp(min(eval_loss, 700)):.2f}"
     if resumed_step == step:
         return (f"hftk: the run was already complete at step {step}: nothing left to train ({quality}); "
                 f"the model is in {final} ({seconds:.0f} s)")

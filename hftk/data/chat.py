@@ -159,3 +159,42 @@ def truncate(enc: Encoded, block_size: int) -> Encoded | None:
     without its end-of-turn token would teach the model never to stop). None when none is left."""
     spans = [(s, e) for s, e in enc.spans if e <= block_size]
     return Encoded(enc.input_ids[:block_size], spans) if spans else None
+
+
+# A template's marker literals: ``<|im_start|>``, ``<|eot_id|>``, ...
+MARKER = re.compile(r"<\|[^|\s<>'\"]+\|>")
+# The marker written right after a message's content, inside one expression (``content + '<|im_end|>'``)
+# or just after it (``{{ message['content'] }}<|im_end|>``): the end of a turn.
+END_OF_TURN = re.compile(r"""message(?:\[['"]content['"]\]|\.content)(?:\s*\|\s*\w+)*\s*(?:\+\s*['"]|-?}}\s*)"""
+                         r"(" + MARKER.pattern + ")")
+
+
+def missing_markers(tokenizer: Any, template: str) -> list[str]:
+    """The template's ``<|...|>`` markers that the tokenizer does not encode as one token, in order."""
+    found = dict.fromkeys(MARKER.findall(template))
+    return [m for m in found if len(tokenizer(m, add_special_tokens=False)["input_ids"]) != 1]
+
+
+def end_of_turn(template: str) -> str | None:
+    """The marker that closes a message in ``template`` (what generation must stop on), if it has one."""
+    match = END_OF_TURN.search(template)
+    return match.group(1) if match else None
+
+
+def add_chat_tokens(tokenizer: Any, template: str) -> str | None:
+    """Make the template's markers single special tokens and its end-of-turn marker the EOS, as TRL's
+    ``clone_chat_template`` does for a template cloned from another tokenizer (it needs that tokenizer;
+    hftk has only the template text). Returns the line to print, or None when nothing was missing.
+
+    The pad token stays what it was (GPT-2's pad is its old EOS): padding is masked out either way.
+    The model's embeddings grow to ``len(tokenizer)`` in ``models.loading.fit_to_tokenizer``."""
+    missing = missing_markers(tokenizer, template)
+    if not missing:
+        return None
+    tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
+    eos = end_of_turn(template)
+    said = f"added {', '.join(missing)} as special tokens"
+    if eos in missing:
+        tokenizer.eos_token = eos
+        said += f"; EOS is {eos}"
+    return said + " (--no_add_chat_tokens keeps them as text)"

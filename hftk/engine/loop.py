@@ -59,7 +59,7 @@ from hftk.engine.run_types import PreparedRun
 from hftk.engine.trainer import FINAL_DIR, build_training_arguments, load_data
 from hftk.launch.guard import check_world
 from hftk.models import lora
-from hftk.models.loading import load_model
+from hftk.models.loading import fit_to_tokenizer, load_model
 from hftk.publish.hub import RunPusher
 from hftk.telemetry.memory import model_state_bytes
 from hftk.telemetry.metrics import MetricsCallback, SyncCheckCallback, append_jsonl, logged_eval
@@ -146,7 +146,8 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     set_seed(args.seed)
     tokenizer, data = load_data(prepared, args.seed)
     startup.mark("data")
-    model = lora.apply(load_model(cfg.model), cfg, args)
+    model = load_model(cfg.model)
+    model = lora.apply(model, cfg, args, fit_to_tokenizer(model, tokenizer, args.seed))
     _enable_activation_checkpointing(model, args)
     token_flops = flops_per_token(model, cfg.data.block_size)
     adapter = (model.peft_config[lora.ADAPTER_NAME], lora.adapter_shapes(model)) if lora.is_peft(model) else None

@@ -7,12 +7,14 @@ import dataclasses
 from typing import Any
 
 from hftk.config import strategy_table
+from hftk.config.options import field_default
 from hftk.core import startup
+from hftk.core.errors import HftkError
 from hftk.engine import trainer as trainer_engine
 from hftk.engine.run_types import PreparedRun
 from hftk.launch.guard import check_world
 from hftk.models import lora
-from hftk.models.loading import load_model, load_tokenizer
+from hftk.models.loading import fit_to_tokenizer, load_model, load_tokenizer
 
 
 def dpo_options(cfg: Any) -> dict[str, Any]:
@@ -20,6 +22,69 @@ def dpo_options(cfg: Any) -> dict[str, Any]:
     p = cfg.preference
     return dict(beta=p.beta, loss_type=[p.loss_type], max_length=p.max_length or cfg.data.block_size,
                 precompute_ref_log_probs=p.precompute_ref_log_probs)
+
+
+def trl_default_overrides(cfg: Any) -> dict[str, Any]:
+    """The run's value (``cfg.args``: set, else hftk's default, else TrainingArguments') of each field TRL's
+    DPOConfig defaults differently (TRL 1.16: bf16 None -> on unless fp16, gradient_checkpointing on,
+    learning_rate 1e-6, logging_steps 10). Without this an option left unset means something else under
+    ``--method dpo`` than under sft: bf16 autocast on CPU was the ~1e-4 parity gap to a fp32 reference."""
+    from transformers import TrainingArguments
+    from trl import DPOConfig
+
+    plain = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
+    return {f.name: getattr(cfg.args, f.name) for f in dataclasses.fields(DPOConfig)
+            if f.name in plain and field_default(f) != field_default(plain[f.name])}
+
+
+def reference_model(cfg: Any, strategy: Any, tokenizer: Any, seed: int, grown: bool) -> Any:
+    """The reference hftk loads, or None where TRL makes it: under LoRA the base with the adapter disabled (no
+    copy); otherwise TRL loads the starting model again and prepares it with the policy's accelerate / DeepSpeed
+    setup (under ZeRO-3 partitioned, ``trl.models.utils.prepare_deepspeed``). A strategy that shards parameters
+    itself (fsdp: hftk's FSDP2, which TRL does not see) gets the reference loaded and sharded like the policy,
+    since TRL would hold a whole copy on every rank. ``ref_model_name_or_path`` is loaded here in every case, and
+    so is the starting model when chat markers were added (``grown``): TRL's reload from the path would lack their
+    rows, so it is grown here with the run's seed, to the policy's very starting rows."""
+    shards = getattr(strategy, "SHARDS_PARAMETERS", False)
+    name = cfg.preference.ref_model_name_or_path
+    if cfg.model.lora_r or not (name or shards or grown) or (cfg.preference.precompute_ref_log_probs and not name):
+        return None
+    ref = load_model(dataclasses.replace(cfg.model, model_name_or_path=name or cfg.model.model_name_or_path),
+                     shardable=shards)
+    fit_to_tokenizer(ref, tokenizer, seed)  # the policy's vocabulary
+    return strategy.prepare_model(ref, cfg) if shards else ref
+
+
+def reference_held(trainer: Any, strategy_name: str) -> str:
+    """How the reference is held, checked where the strategy shards the policy (fsdp: every parameter a DTensor
+    over the ranks; ZeRO-3: a stage-3 DeepSpeed engine over partitioned parameters): a whole copy per rank there
+    stops the run before training instead of silently costing a model's memory on every rank."""
+    ref, spec = trainer.ref_model, strategy_table.STRATEGIES[strategy_name]
+    if ref is None:
+        if not lora.is_peft(trainer.model):
+            return "precomputed log-probs"
+        # TRL gives a PeftModel without a reference a frozen copy of its adapter, "ref" (equal to the base while
+        # the adapter is fresh: lora_B starts at 0); without it, the base with the adapter disabled.
+        peft = trainer.accelerator.unwrap_model(trainer.model).peft_config
+        return ("the policy with a frozen copy of its starting adapter (no second model)" if "ref" in peft else
+                "the policy with its adapter disabled (no second model)")
+    ranks = trainer.args.world_size
+    if getattr(strategy_table.get(strategy_name), "SHARDS_PARAMETERS", False):
+        from torch.distributed.tensor import DTensor
+
+        whole = [n for n, p in ref.named_parameters() if not isinstance(p, DTensor)]
+        if whole:
+            raise HftkError("strategy.strategy", f"{strategy_name}: the DPO reference holds {whole[0]} whole on "
+                            "every rank.", "report this with the model family; train DPO with ddp meanwhile.")
+        return f"sharded over {ranks} ranks (FSDP2)"
+    if spec.zero_stage == 3:
+        module = getattr(ref, "module", ref)
+        if getattr(ref, "zero_optimization_stage", lambda: None)() != 3 or \
+                not all(hasattr(p, "ds_id") for p in module.parameters()):
+            raise HftkError("strategy.strategy", f"{strategy_name}: the DPO reference is not a partitioned ZeRO-3 "
+                            "engine.", "report this with the DeepSpeed and TRL versions.")
+        return f"partitioned over {ranks} ranks (ZeRO-3)"
+    return "a whole copy on each rank"
 
 
 def preference_splits(prepared: PreparedRun, seed: int) -> tuple[Any, Any]:
@@ -42,23 +107,29 @@ def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
 
     cfg = prepared.cfg
     strategy = strategy_table.get(cfg.strategy.strategy)
-    extra = {**strategy.training_arguments(cfg, prepared.model_config), **dpo_options(cfg)}
+    # The strategy's own arguments (and the run's options, in build_training_arguments) over TRL's defaults.
+    extra = {**trl_default_overrides(cfg), **strategy.training_arguments(cfg, prepared.model_config),
+             **dpo_options(cfg)}
     args = trainer_engine.build_training_arguments(prepared, extra, arguments_class=DPOConfig)
     check_world(args.world_size)
     startup.mark("process_group")
-    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template, cfg.data.add_chat_tokens,
+                               announce=args.process_index == 0)
     train, held_out = preference_splits(prepared, args.seed)
     startup.mark("data")
-    base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
-    model = strategy.prepare_model(lora.apply(base, cfg, args), cfg)
-    # None: TRL disables the adapter (LoRA) or loads the starting model again as the reference.
-    ref_model = None
-    if cfg.preference.ref_model_name_or_path:
-        ref_model = load_model(dataclasses.replace(cfg.model, model_name_or_path=cfg.preference.ref_model_name_or_path),
-                               shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
+    shards = getattr(strategy, "SHARDS_PARAMETERS", False)
+    base = load_model(cfg.model, shardable=shards)
+    new_tokens = fit_to_tokenizer(base, tokenizer, args.seed)
+    model = strategy.prepare_model(lora.apply(base, cfg, args, new_tokens), cfg)
+    ref_model = reference_model(cfg, strategy, tokenizer, args.seed, bool(new_tokens))
     startup.mark("model")
-    trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=train, eval_dataset=held_out,
-                         processing_class=tokenizer)
+    # A strategy that owns its model/optimizer I/O (FSDP2 shards) puts it ahead of DPOTrainer's.
+    make_trainer = strategy.trainer_factory(cfg, DPOTrainer) if hasattr(strategy, "trainer_factory") else DPOTrainer
+    trainer = make_trainer(model=model, ref_model=ref_model, args=args, train_dataset=train, eval_dataset=held_out,
+                           processing_class=tokenizer)
+    held = reference_held(trainer, cfg.strategy.strategy)
+    if args.process_index == 0:
+        print(f"hftk: DPO reference: {held}", flush=True)
     for callback in trainer_engine.run_callbacks(prepared, trainer, strategy):
         trainer.add_callback(callback)
     trainer_engine.add_samples(prepared, trainer)  # the policy's samples (the reference is never sampled)

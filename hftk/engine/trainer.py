@@ -18,6 +18,7 @@ from hftk.checkpoint.run_record import run_record, save_run_record, write_run_fi
 from hftk.comm.callback import CompressionCallback
 from hftk.comm.register import is_active as comm_active
 from hftk.config import strategy_table
+from hftk.config.options import is_main_process
 from hftk.core import startup
 from hftk.core.agent_store import node_first
 from hftk.core.errors import HftkError
@@ -27,7 +28,7 @@ from hftk.engine.resilience import StepGuard, guarded, step_guard
 from hftk.engine.run_types import PreparedRun
 from hftk.launch.guard import WorldGuard, check_world
 from hftk.models import lora
-from hftk.models.loading import load_model, load_tokenizer
+from hftk.models.loading import fit_to_tokenizer, load_model, load_tokenizer
 from hftk.publish.hub import run_pusher
 from hftk.telemetry.memory import ModelStateCallback
 from hftk.telemetry.metrics import MetricsCallback, SyncCheckCallback, logged_eval
@@ -108,7 +109,8 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
     metrics_cb = MetricsCallback(cfg.output_dir / cfg.tracking.metrics_file, tokens_per_step=tokens_per_step,
                                  samples_per_step=samples_per_step,
                                  flops_per_step=tokens_per_step * flops_per_token(trainer.model, cfg.data.block_size),
-                                 peak_flops=peak * args.world_size if peak else None)
+                                 peak_flops=peak * args.world_size if peak else None,
+                                 perplexity=cfg.preference.method == "sft")
     # First in line so tensorboard / wandb see the throughput and perplexity it adds to each log.
     trainer.callback_handler.callbacks.insert(0, metrics_cb)
     # Ahead of it: per-rank memory, comm share and imbalance join the same log line.
@@ -143,7 +145,8 @@ def load_data(prepared: PreparedRun, seed: int) -> tuple[Any, Any]:
     others wait on the launcher's store (no collective: a long tokenisation never meets ``ddp_timeout``),
     then read its datasets cache."""
     cfg = prepared.cfg
-    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)  # saved with it: checkpoints and final/
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template, cfg.data.add_chat_tokens,  # saved with it:
+                               announce=is_main_process())  # checkpoints and final/
     if prepared.tokenized is not None:  # hftk preprocess made the blocks; every rank read them in prepare
         return tokenizer, prepared.tokenized
     with node_first("tokenize"):
@@ -171,7 +174,8 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     announce_eval(cfg.data, data.eval, args.per_device_eval_batch_size, args.world_size, args.process_index == 0)
     startup.mark("data")
     base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
-    model = strategy.prepare_model(lora.apply(base, cfg, args), cfg)  # LoRA before any sharding
+    new_tokens = fit_to_tokenizer(base, tokenizer, args.seed)  # chat markers added: before LoRA and sharding
+    model = strategy.prepare_model(lora.apply(base, cfg, args, new_tokens), cfg)  # LoRA before any sharding
     startup.mark("model")
 
     # A strategy that owns its model/optimizer I/O (FSDP2 shards) supplies its own Trainer.

@@ -61,18 +61,77 @@ def _apply_dropout(config: Any, dropout: float | None) -> None:
             setattr(config, key, dropout)
 
 
-def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None) -> Any:
+def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None, add_chat_tokens: bool = True,
+                   announce: bool = False) -> Any:
     """Tokenizer with a pad token (GPT-style models ship without one; eos serves) and the chat template
-    ``data.chat_template`` chose (it then travels with every ``save_pretrained`` of the tokenizer)."""
+    ``data.chat_template`` chose (it then travels with every ``save_pretrained`` of the tokenizer).
+
+    With a chosen template and ``add_chat_tokens`` (``data.add_chat_tokens``), its ``<|...|>`` markers that
+    are not tokens yet become special tokens and its end-of-turn marker the EOS (``data.chat.add_chat_tokens``);
+    every rank does the same, so every rank gets the same ids. ``announce``: print what was added (rank 0)."""
     from transformers import AutoTokenizer
 
+    from hftk.data.chat import add_chat_tokens as add_markers
     from hftk.data.chat import apply_template_choice
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_name_or_path or resolve_model_path(cfg),
                                               revision=cfg.model_revision, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return apply_template_choice(tokenizer, chat_template)
+    apply_template_choice(tokenizer, chat_template)
+    if chat_template and add_chat_tokens:
+        said = add_markers(tokenizer, tokenizer.chat_template)
+        if said and announce:
+            print(f"hftk: chat template {chat_template}: {said}", flush=True)
+    return tokenizer
+
+
+def markers_to_add(cfg: ModelConfig, chat_template: str | None, add_chat_tokens: bool) -> list[str]:
+    """The chat markers a run will add to the tokenizer (:func:`load_tokenizer`), for checks before launch."""
+    from hftk.data.chat import missing_markers
+
+    if not (chat_template and add_chat_tokens):
+        return []
+    tokenizer = load_tokenizer(cfg, chat_template, add_chat_tokens=False)
+    return missing_markers(tokenizer, tokenizer.chat_template)
+
+
+def fit_to_tokenizer(model: Any, tokenizer: Any, seed: int) -> list[int]:
+    """Grow ``model``'s embeddings (and an untied LM head) to ``len(tokenizer)`` when the tokenizer gained
+    tokens (chat markers), and make the tokenizer's EOS one its config and generation config stop on.
+
+    Called on the plain model, before LoRA and before any strategy wraps or shards it (under ZeRO-3 the
+    model is partitioned already: ``resize_token_embeddings`` gathers it). The new rows are drawn from the
+    old rows' mean and covariance (``mean_resizing``, what transformers recommends for causal LMs) under
+    ``seed`` in a forked RNG: every rank draws the same rows and the run's own RNG stream is untouched.
+    Returns the new rows' ids (LoRA trains them: ``lora.apply``)."""
+    weight = model.get_input_embeddings().weight
+    rows = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 keeps the full shape in ds_shape
+    if len(tokenizer) > rows:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        partition_like_base(model)  # ZeRO-3: the resized embedding is a whole new parameter
+    eos = tokenizer.eos_token_id
+    configs = [model.config.get_text_config(), getattr(model, "generation_config", None)]
+    for config in filter(None, configs):  # the tokenizer's EOS is the one its turns end with: stop there
+        if eos not in _ids(config.eos_token_id):
+            config.eos_token_id = eos
+    return list(range(rows, len(tokenizer)))
+
+
+def partition_like_base(model: Any) -> None:
+    """Under ZeRO-3 ``zero.Init`` partitioned the base at load; parameters created since (PEFT's adapters,
+    resized embeddings) are partitioned the same way now (DeepSpeed's own conversion), so no rank holds a
+    whole weight."""
+    zero = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    fresh = [p for p in model.parameters() if not hasattr(p, "ds_id")]
+    if zero and fresh:
+        zero[0].convert_to_zero_parameters(param_list=fresh)
+
+
+def _ids(value: int | list[int] | None) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 def quantized_field(cfg: ModelConfig) -> str | None:

@@ -26,6 +26,7 @@ from hftk.config import support
 from hftk.config.family_table import FAMILIES, supported_families
 from hftk.config.options import ModelConfig, RunConfig
 from hftk.core.errors import HftkError
+from hftk.models.loading import partition_like_base
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -50,8 +51,11 @@ def target_modules(cfg: ModelConfig, model_type: str) -> list[str]:
     return list(FAMILIES[model_type].lora_targets)
 
 
-def lora_config(cfg: ModelConfig, model_type: str) -> Any:
-    """PEFT's ``LoraConfig`` of this run (no bias, causal LM, base revision recorded, DoRA / rsLoRA)."""
+def lora_config(cfg: ModelConfig, model_type: str, new_tokens: dict[str, list[int]] | None = None) -> Any:
+    """PEFT's ``LoraConfig`` of this run (no bias, causal LM, base revision recorded, DoRA / rsLoRA).
+
+    ``new_tokens``: the rows the run added (chat markers, ``data.add_chat_tokens``) by embedding module
+    (:func:`trainable_tokens`); PEFT's ``trainable_token_indices`` trains them beside the adapters."""
     from peft import LoraConfig
 
     # GPT-2's Conv1D stores weights (in, out); quantized, transformers replaced it by a bitsandbytes Linear (out, in).
@@ -59,7 +63,22 @@ def lora_config(cfg: ModelConfig, model_type: str) -> Any:
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=target_modules(cfg, model_type), bias="none", task_type="CAUSAL_LM",
                       fan_in_fan_out=conv1d, use_dora=cfg.use_dora, use_rslora=cfg.use_rslora,
-                      revision=None if cfg.model_revision == "main" else cfg.model_revision)
+                      revision=None if cfg.model_revision == "main" else cfg.model_revision,
+                      trainable_token_indices=new_tokens or None)
+
+
+def trainable_tokens(model: Any, new_rows: list[int]) -> dict[str, list[int]]:
+    """PEFT's ``trainable_token_indices`` for rows added to ``model``'s vocabulary: the input embedding's, and
+    an untied LM head's too (its new rows give the new tokens' logits: ``<|im_end|>``'s is when to stop;
+    a tied head follows the embedding in PEFT)."""
+    if not new_rows:
+        return {}
+    names = {id(module): name for name, module in model.named_modules()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    layers = {names[id(embed)]: list(new_rows)}
+    if head is not None and head.weight is not embed.weight:
+        layers[names[id(head)]] = list(new_rows)
+    return layers
 
 
 def validate(cfg: RunConfig, model_config: Any) -> None:
@@ -92,6 +111,16 @@ def validate(cfg: RunConfig, model_config: Any) -> None:
     support.check_quantized(cfg.strategy.strategy, quantized_field(m))
     check_quantization(cfg)
     check_targets(m, model_config)
+
+
+def refuse_added_tokens(cfg: RunConfig, why: str, fix: str) -> None:
+    """A strategy that cannot train LoRA's trainable tokens (chat markers the run adds) names it before launch."""
+    from hftk.models.loading import markers_to_add
+
+    missing = markers_to_add(cfg.model, cfg.data.chat_template, cfg.data.add_chat_tokens) if cfg.model.lora_r else []
+    if missing:
+        raise HftkError("data.add_chat_tokens", f"adds {', '.join(missing)} to the vocabulary, and LoRA under "
+                        f"{cfg.strategy.strategy} {why}.", f"pass --no_add_chat_tokens (the markers stay text), or {fix}.")
 
 
 def check_optimizer(optim: str) -> None:
@@ -147,8 +176,10 @@ def is_peft(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
-def apply(model: Any, cfg: RunConfig, args: Any) -> Any:
+def apply(model: Any, cfg: RunConfig, args: Any, new_tokens: list[int] | None = None) -> Any:
     """``get_peft_model`` before the strategy sees the model; a no-op without ``lora_r``.
+
+    ``new_tokens``: the rows ``models.loading.fit_to_tokenizer`` added, trained with the adapter.
 
     ``args`` is the run's ``TrainingArguments`` (seed, main process). Gradient checkpointing needs
     nothing here: transformers' ``gradient_checkpointing_enable`` makes the embeddings' output
@@ -163,8 +194,9 @@ def apply(model: Any, cfg: RunConfig, args: Any) -> Any:
                                                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
     with torch.random.fork_rng(devices=[]):  # every rank (and a one-process run) draws the same lora_A
         torch.manual_seed(args.seed)
-        model = get_peft_model(model, lora_config(cfg.model, model.config.model_type))
-    _partition_like_base(model)
+        config = lora_config(cfg.model, model.config.model_type, trainable_tokens(model, new_tokens or []))
+        model = get_peft_model(model, config)
+    partition_like_base(model)  # the adapters PEFT added
     counts = parameter_counts(model)
     if args.process_index == 0:
         from hftk.telemetry.metrics import append_jsonl
@@ -175,15 +207,6 @@ def apply(model: Any, cfg: RunConfig, args: Any) -> Any:
               f"({100 * counts['lora_trainable_fraction']:.3f}%)", flush=True)
         append_jsonl(cfg.output_dir / cfg.tracking.metrics_file, {"step": 0, **counts})
     return model
-
-
-def _partition_like_base(model: Any) -> None:
-    """Under ZeRO-3 ``zero.Init`` partitioned the base at load; the adapters PEFT added since are
-    partitioned the same way now (DeepSpeed's own conversion), so no rank holds a whole weight."""
-    zero = [p for p in model.parameters() if hasattr(p, "ds_id")]
-    fresh = [p for p in model.parameters() if not hasattr(p, "ds_id")]
-    if zero and fresh:
-        zero[0].convert_to_zero_parameters(param_list=fresh)
 
 
 def full_numel(param: torch.Tensor) -> int:
@@ -205,9 +228,29 @@ def parameter_counts(model: Any) -> dict[str, float]:
 
 # ---- gathering and saving ----
 
+def is_trained_adapter(name: str) -> bool:
+    """A weight of the adapter hftk trains (``default``: LoRA, and trainable tokens where chat markers were
+    added); not another adapter beside it, such as the frozen reference copy (``ref``) TRL's DPOTrainer adds."""
+    return ("lora_" in name or "trainable_tokens_" in name) and (f".{ADAPTER_NAME}." in name
+                                                                  or name.endswith(f".{ADAPTER_NAME}"))
+
+
+def adapter_parameters(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """What PEFT saves of this adapter, by parameter name: the trained adapter's weights (no bias), and with
+    trainable tokens (chat markers added) the embeddings they were added to, whole: PEFT saves a resized
+    vocabulary's embedding layers (``save_embedding_layers="auto"``), so the adapter reloads with the very
+    rows it was trained beside (an untied LM head's new rows are drawn at random, never trained)."""
+    embeddings: set[int] = set()
+    if getattr(model.peft_config[ADAPTER_NAME], "trainable_token_indices", None):
+        base = model.get_base_model()
+        for layer in filter(None, (base.get_input_embeddings(), base.get_output_embeddings())):
+            embeddings |= {id(p) for p in layer.parameters()}
+    return [(n, p) for n, p in model.named_parameters() if is_trained_adapter(n) or id(p) in embeddings]
+
+
 def adapter_shapes(model: Any) -> dict[str, tuple[int, ...]]:
-    """Full shape of every adapter weight by parameter name (LoRA without bias: what PEFT saves)."""
-    return {n: full_shape(p) for n, p in model.named_parameters() if "lora_" in n}
+    """Full shape of every adapter tensor by parameter name (:func:`adapter_parameters`)."""
+    return {n: full_shape(p) for n, p in adapter_parameters(model)}
 
 
 def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
@@ -216,7 +259,7 @@ def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
     A collective under FSDP2 (``full_tensor``) and ZeRO-3 (``GatheredParameters``): every rank
     calls it, in the same parameter order; every rank gets the result.
     """
-    named = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    named = adapter_parameters(model)
     if any(hasattr(p, "ds_id") for _, p in named):
         import deepspeed
 
@@ -360,22 +403,28 @@ def merged_model(folder: Path, base: str | None = None) -> Any:
     """The base model with the adapter of ``folder`` folded into its weights (``merge_and_unload``).
 
     A QLoRA adapter merges into its base quantized as in training, then dequantized (transformers'
-    ``dequantize``): full-precision weights equal to what the adapter was trained against.
+    ``dequantize``): full-precision weights equal to what the adapter was trained against. A run that
+    added chat markers saved its tokenizer and its grown embeddings beside the adapter: the base is grown
+    to that tokenizer first (PEFT then loads the saved rows over the grown ones) and stops on its EOS.
     """
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    from hftk.models.loading import fit_to_tokenizer, local_device
 
     base = base or base_model_of(folder)
     revision = json.loads((Path(folder) / ADAPTER_CONFIG).read_text()).get("revision")
     quantization = quantization_of(folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
     if quantization is None:
         model = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype="auto")
+        fit_to_tokenizer(model, tokenizer, seed=0)  # any rows: the adapter's saved embeddings replace them
         return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
-    from hftk.models.loading import local_device
-
     model = AutoModelForCausalLM.from_pretrained(base, revision=revision, device_map={"": local_device()},
                                                  quantization_config=BitsAndBytesConfig.from_dict(quantization))
-    merged = PeftModel.from_pretrained(model.dequantize(), str(folder)).merge_and_unload()
+    model = model.dequantize()
+    fit_to_tokenizer(model, tokenizer, seed=0)
+    merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
     return in_base_layout(merged)
 
 

@@ -1,7 +1,7 @@
 """``hftk generate``: see what a checkpoint says, without exporting it first.
 
-Any folder ``hftk export`` reads (a final folder, a checkpoint-N of any strategy, a LoRA / QLoRA adapter)
-is loaded through the same readers (:func:`hftk.publish.export.detect`, :func:`hftk.models.lora.merged_model`)
+Any folder ``hftk export`` reads (a final folder, a checkpoint-N of any strategy, a LoRA / QLoRA adapter),
+or a Hub model id (downloaded with huggingface_hub's ``snapshot_download``), is loaded through the same readers (:func:`hftk.publish.export.detect`, :func:`hftk.models.lora.merged_model`)
 and handed to transformers' own ``generate`` with a ``GenerationConfig``; tokens stream through ``TextStreamer``.
 """
 
@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +21,38 @@ from hftk.core.errors import HftkError
 from hftk.models import lora
 
 
-def load(checkpoint: Path) -> tuple[Any, Any]:
-    """(model in eval mode, tokenizer) from any checkpoint folder hftk can export."""
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def local_folder(checkpoint: Path | str) -> Path:
+    """The folder to read: ``checkpoint`` itself, or a Hub model id downloaded into the Hub cache."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.exists():
+        return checkpoint
+    if not HUB_ID.fullmatch(str(checkpoint)):
+        raise HftkError("CHECKPOINT", f"'{checkpoint}' does not exist.",
+                        "pass a final or checkpoint-N folder of a run, or a Hub model id (user/name).")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    from hftk.publish.hub import MODEL_PATTERNS
+
+    try:  # the model files at the repo's root: not a pushed last-checkpoint/ or its optimizer state
+        return Path(snapshot_download(str(checkpoint), allow_patterns=list(MODEL_PATTERNS), ignore_patterns=["*/*"]))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+        raise HftkError("CHECKPOINT", f"'{checkpoint}' is no local folder, and the Hub did not give it "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0]}).",
+                        "pass a run's folder, or check the model id, HF_TOKEN and the network.") from None
+
+
+def load(checkpoint: Path | str) -> tuple[Any, Any]:
+    """(model in eval mode, tokenizer) from any checkpoint folder hftk can export, or a Hub model id."""
     from transformers import AutoConfig, AutoTokenizer
 
     from hftk.checkpoint.hf_folder import model_from
     from hftk.publish.export import detect
 
-    checkpoint = Path(checkpoint)
-    if not checkpoint.exists():
-        raise HftkError("CHECKPOINT", f"'{checkpoint}' does not exist.", "pass a final or checkpoint-N folder of a run.")
+    checkpoint = local_folder(checkpoint)
     if lora.is_adapter_folder(checkpoint):
         model = lora.merged_model(checkpoint, None)
     else:
@@ -119,16 +144,47 @@ def generate(model: Any, tokenizer: Any, prompt: str | list[dict[str, str]], con
     return out[0, ids.shape[1]:]
 
 
+def chat(model: Any, tokenizer: Any, config: Any, lines: Iterable[str], system: str | None = None) -> list[dict]:
+    """Each line a user turn, answered with the conversation so far through the saved chat template; an
+    empty line or the end of input stops. Returns the conversation."""
+    if not tokenizer.chat_template:
+        raise HftkError("--chat", "this checkpoint's tokenizer has no chat template.",
+                        "use --prompt, or a checkpoint of a run trained with --chat_template.")
+    messages = [{"role": "system", "content": system}] if system else []
+    for line in lines:
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply = generate(model, tokenizer, messages, config, stream=True)
+        messages.append({"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True)})
+    return messages
+
+
+def _typed_lines() -> Iterable[str]:
+    """stdin's lines, with a ``> `` prompt on stderr when a person types them."""
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        yield line
+
+
 def main(argv: list[str]) -> int:
-    """``hftk generate CHECKPOINT (--prompt TEXT | --prompts FILE) [GenerationConfig options]``."""
+    """``hftk generate CHECKPOINT (--prompt TEXT | --prompts FILE | --chat) [GenerationConfig options]``."""
     parser = argparse.ArgumentParser(
         prog="hftk generate",
         description="Generate from any checkpoint hftk writes (final, checkpoint-N of any strategy, LoRA / QLoRA "
         "adapter) without exporting first; greedy unless --do_sample; tokens stream as they come.")
-    parser.add_argument("checkpoint", type=Path, help="a final or checkpoint-N folder (or an adapter folder)")
+    parser.add_argument("checkpoint", help="a final or checkpoint-N folder (or an adapter folder), or a Hub model id")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt, as plain text")
     source.add_argument("--prompts", type=Path, help="JSONL file: {\"prompt\": str} or {\"messages\": [...]} rows")
+    source.add_argument("--chat", action="store_true",
+                        help="talk to it: each stdin line a user turn, the conversation kept, the saved chat "
+                        "template applied; an empty line or end of input stops")
+    parser.add_argument("--system", help="with --chat: a system message opening the conversation")
     parser.add_argument("--max_new_tokens", type=int, default=64, help="most new tokens per prompt")
     parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do_sample)")
@@ -136,9 +192,14 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise HftkError("--max_new_tokens", f"must be at least 1, got {args.max_new_tokens}.", "pass 1 or more.")
-    prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
+    if args.system is not None and not args.chat:
+        raise HftkError("--system", "is for --chat.", "add --chat, or put the system message in a messages row.")
+    prompts = [] if args.chat else [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     model, tokenizer = load(args.checkpoint)
     config = generation_config(model, tokenizer, args.max_new_tokens, args.do_sample, args.temperature, args.top_p)
+    if args.chat:
+        chat(model, tokenizer, config, _typed_lines(), args.system)
+        return 0
     for prompt in prompts:
         generate(model, tokenizer, prompt, config, stream=True)
     return 0

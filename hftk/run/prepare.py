@@ -43,13 +43,15 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
     validate.check_model(cfg, model_config)
     if cfg.strategy.strategy == "auto":
         cfg.strategy.strategy = estimate.resolve_auto(cfg, model_config, world_size)
-    support.check_method(cfg.strategy.strategy, cfg.preference.method)  # after auto: the strategy that runs
+    # after auto: the strategy that runs
+    support.check_method(cfg.strategy.strategy, cfg.preference.method, cfg.model.lora_r)
     strategy_table.get(cfg.strategy.strategy).validate(cfg, world_size)
     validate.check_samples(cfg, model_config)  # the prompt file's rows, with the run's tokenizer and template
     if read_tokenized and cfg.data.tokenized_path:
         from hftk.run import preprocess
 
-        tokenized = preprocess.load(cfg, load_tokenizer(cfg.model, cfg.data.chat_template))
+        tokenized = preprocess.load(cfg, load_tokenizer(cfg.model, cfg.data.chat_template,
+                                                             cfg.data.add_chat_tokens))
         return PreparedRun(cfg=cfg, model_config=model_config, raw=None, data_format=tokenized.data_format,
                            world_size=world_size, tokenized=tokenized)
     if cfg.preference.method == "dpo":  # TRL's DPOTrainer tokenises the pairs; only the rows are checked here
@@ -59,7 +61,8 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
         return PreparedRun(cfg=cfg, model_config=model_config, raw=sources[0].raw, data_format=sources[0].fmt,
                            world_size=world_size, sources=sources)
     # Conversations need the tokenizer's chat template now (a built-in model is then written early).
-    sources = load_sources(cfg.data, lambda: load_tokenizer(cfg.model, cfg.data.chat_template))
+    sources = load_sources(cfg.data, lambda: load_tokenizer(cfg.model, cfg.data.chat_template,
+                                                                 cfg.data.add_chat_tokens))
     validate.check_data(cfg, combined_format(sources))
     for source in sources:  # each dataset's options were copied before check_data resolved data.packing
         source.cfg.packing = cfg.data.packing
@@ -159,9 +162,11 @@ def _done(cfg: RunConfig, resumed_step: int | None) -> str:
 
     final = cfg.output_dir / FINAL_DIR
     record = json.loads((final / RUN_FILE).read_text())
-    return output.done_line(startup.elapsed(), record["global_step"], record["metrics"].get("eval_loss"), str(final),
+    metrics = record["metrics"]
+    accuracy = metrics.get("eval_rewards/accuracies") if cfg.preference.method == "dpo" else None
+    return output.done_line(startup.elapsed(), record["global_step"], metrics.get("eval_loss"), str(final),
                             resumed_step, cfg.training.get("resume_from_checkpoint") == "latest",
-                            _checkpoint_step(_resume_checkpoint(cfg.output_dir, "latest")))
+                            _checkpoint_step(_resume_checkpoint(cfg.output_dir, "latest")), accuracy)
 
 
 def exit_without_teardown(code: int) -> None:
@@ -204,7 +209,7 @@ def preprocess_command(argv: list[str]) -> int:
         raise HftkError("data.tokenized_path", f"'{target}' already exists.", "choose a new folder or delete it.")
     prepared = prepare(argv, read_tokenized=False)
     cfg = prepared.cfg
-    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template, cfg.data.add_chat_tokens, announce=True)
     data = tokenize_sources(prepared.sources, tokenizer, cfg.training["seed"])
     summary = preprocess.save(Path(target), data, preprocess.fingerprint(cfg, tokenizer))
     parts = [f"{name}: {s['blocks']} blocks, {s['tokens']} tokens ({s['labelled_tokens']} labelled)"

@@ -30,9 +30,9 @@ def fingerprint(cfg: RunConfig, tokenizer: Any) -> dict[str, Any]:
     d = cfg.data
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    return {
-        "tokenizer": _digest(vocab + json.dumps(tokenizer.special_tokens_map, sort_keys=True)),
+    return {  # the template first: it decides which markers the tokenizer gained (data.add_chat_tokens)
         "chat_template": _digest(str(getattr(tokenizer, "chat_template", None) or "")),
+        "tokenizer": _digest(vocab + json.dumps(tokenizer.special_tokens_map, sort_keys=True)),
         "block_size": d.block_size, "packing": d.packing, "train_on_prompt": d.train_on_prompt,
         "truncation": d.truncation, "on_bad_row": d.on_bad_row, "datasets": describe(d),
         "fields": [getattr(d, f) for f in FIELD_OPTIONS],

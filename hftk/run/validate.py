@@ -94,7 +94,7 @@ def _check_prompts(cfg: RunConfig, model_config: Any, prompts: list[Any], field:
     from hftk.models.loading import context_length, load_tokenizer
     from hftk.publish.generate import input_ids
 
-    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template, cfg.data.add_chat_tokens)  # the run's ids
     limit, new = context_length(model_config), cfg.samples.sample_max_new_tokens
     for number, prompt in enumerate(prompts, 1):
         try:

@@ -145,10 +145,21 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if missing:
         raise HftkError("strategy.strategy", f"{name} steps the optimizer with DeepSpeed's CPU Adam, built on first use; "
                         f"this machine lacks {'; '.join(missing)}.", "install them (or use --strategy zero3).")
+    check_chat_tokens_with_lora(cfg)
     if "LOCAL_RANK" not in os.environ:
         raise HftkError("launch", f"{name} runs under a launcher, even for one process (DeepSpeed reads its rank "
                         "from the environment).", "use `torchrun --nproc_per_node N scripts/finetune.py ...` or "
                         f"`accelerate launch --config_file accelerate_configs/{name}.yaml scripts/finetune.py ...`.")
+
+
+def check_chat_tokens_with_lora(cfg: RunConfig) -> None:
+    """LoRA trains the chat markers a run adds through PEFT's trainable tokens, whose ZeRO-3 set-up
+    (``TrainableTokensLayer._collect_token_weights``) gathers the rows on a CUDA device only."""
+    from hftk.models.lora import refuse_added_tokens
+
+    if STRATEGIES[cfg.strategy.strategy].zero_stage == 3 and not torch.cuda.is_available():
+        refuse_added_tokens(cfg, "trains them with PEFT's trainable tokens, which ZeRO-3 sets up on a GPU only",
+                            "train with ddp or fsdp here")
 
 
 def missing_cpu_adam_tools() -> list[str]:
@@ -321,8 +332,16 @@ def share_fp32_master(zero: Any) -> int:
 
 
 def save_final(trainer: Any, out_dir: Path) -> None:
-    """The Trainer gathers ZeRO-3 partitions (16-bit gather flag on); then prove the folder complete."""
-    trainer.save_model(str(out_dir))
+    """The Trainer gathers ZeRO-3 partitions (16-bit gather flag on); then prove the folder complete.
+
+    ZeRO-1/2 hold the whole module on every rank: its own state dict is saved. The Trainer's ``save_model``
+    takes accelerate's ``get_state_dict``, which clones every tensor for DeepSpeed and so unties a tied LM
+    head from its embedding: ``save_pretrained`` then finds no shared storage and writes the head twice.
+    """
+    if trainer.model_wrapped.zero_optimization_stage() < 3:
+        trainer._save(str(out_dir), state_dict=trainer.accelerator.unwrap_model(trainer.model).state_dict())
+    else:
+        trainer.save_model(str(out_dir))
     if trainer.args.should_save:
         from hftk.checkpoint.hf_folder import check_complete, shapes_of
 

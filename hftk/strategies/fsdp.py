@@ -373,11 +373,13 @@ class FSDPTrainer(Trainer):
         load_model_state(self.model, Path(self.state.best_model_checkpoint))
 
 
-def trainer_factory(cfg: RunConfig) -> Any:
-    """The Trainer class the engine builds for this strategy, bound to the checkpoint format."""
+def trainer_factory(cfg: RunConfig, base: type = Trainer) -> Any:
+    """The Trainer class the engine builds for this strategy, bound to the checkpoint format; ``base``: another
+    Trainer subclass (TRL's DPOTrainer) that gets the same FSDP2 state I/O ahead of it in the MRO."""
     import functools
 
-    return functools.partial(FSDPTrainer, state_dict_type=cfg.strategy.fsdp_state_dict)
+    cls = FSDPTrainer if base is Trainer else type(f"FSDP{base.__name__}", (FSDPTrainer, base), {})
+    return functools.partial(cls, state_dict_type=cfg.strategy.fsdp_state_dict)
 
 
 def save_final(trainer: Any, out_dir: Path) -> None:

@@ -348,6 +348,9 @@ class PipelineRuntime:
     loss: TokenLoss
     microbatches: int
     tied_names: tuple[str, str] | None  # (input embedding, LM head) full names when tied
+    # (first-stage, last-stage) names of every parameter both hold: the tied embedding, and under LoRA with
+    # added chat tokens the new rows PEFT's trainable tokens share between a tied embedding and head
+    shared: list[tuple[str, str]] = field(default_factory=list)
     autocast_dtype: torch.dtype | None = None
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     pipe_stages: list[Any] = field(default_factory=list)  # the PipelineStage objects the schedule drives
@@ -388,6 +391,7 @@ def build_runtime(model: nn.Module, s: StrategyConfig, topo: Topology, bf16: boo
     params = [(stage.names[local], p) for stage in mine for local, p in stage.named_parameters()]
     return PipelineRuntime(topo=topo, stages=mine, stage_indices=indices, num_stages=n_stages, schedule=schedule,
                            loss=loss, microbatches=s.pp_microbatches, tied_names=tied,
+                           shared=shared_parameters(all_stages[0], all_stages[-1]),
                            autocast_dtype=torch.bfloat16 if bf16 else None, params=params, pipe_stages=pipe_stages)
 
 
@@ -443,20 +447,28 @@ def reduce_gradients(rt: PipelineRuntime) -> None:
             p.grad = torch.zeros_like(p)
     if rt.topo.dp_size > 1:
         all_reduce_flat([p.grad for _, p in params], rt.topo.dp_group)
-    if rt.tied_names is not None and rt.topo.tie_group is not None:
-        name = rt.tied_names[0] if rt.holds_first else rt.tied_names[1]
-        (tied,) = [p for n, p in rt.params if n == name]
-        if tied.requires_grad:  # a frozen (LoRA) embedding has no gradient on either stage
-            dist.all_reduce(tied.grad, group=rt.topo.tie_group)
+    if rt.topo.tie_group is not None:
+        mine = dict(rt.params)
+        for first, last in rt.shared:  # the same order on both stages
+            tied = mine[first if rt.holds_first else last]
+            if tied.requires_grad:  # a frozen (LoRA) embedding has no gradient on either stage
+                dist.all_reduce(tied.grad, group=rt.topo.tie_group)
+
+
+def shared_parameters(first: DecoderStage, last: DecoderStage) -> list[tuple[str, str]]:
+    """(first-stage name, last-stage name) of each parameter both stages hold (stages hold the model's own
+    modules, so a shared tensor is one object)."""
+    ids = {id(p): first.names[n] for n, p in first.named_parameters()}
+    return [(ids[id(p)], last.names[n]) for n, p in last.named_parameters() if id(p) in ids]
 
 
 def clip_gradients(rt: PipelineRuntime, max_norm: float | None) -> torch.Tensor:
-    """Global L2 norm over every stage (the tied weight counted once) and clip like ``clip_grad_norm_``."""
+    """Global L2 norm over every stage (a shared weight counted once) and clip like ``clip_grad_norm_``."""
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-    skip = rt.tied_names[1] if rt.tied_names is not None and rt.holds_last else None
+    skip = {last for _, last in rt.shared} if rt.holds_last else set()
     params = trainable(rt)
-    grads = [p.grad for n, p in params if n != skip]
+    grads = [p.grad for n, p in params if n not in skip]
     local = get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=rt.topo.device)
     squared = local.float().pow(2).reshape(1)
     dist.all_reduce(squared, group=rt.topo.pp_group)

@@ -71,11 +71,13 @@ def quantization_constants(model: torch.nn.Module) -> Iterable[torch.Tensor]:
     layer's ``quant_state`` (absmax, code, offset, and the double-quantized absmax's own state) and an
     8-bit weight's per-row scales (``SCB``)."""
     for module in model.modules():
-        state = getattr(module, "quant_state", None) or getattr(getattr(module, "weight", None), "quant_state", None)
+        # The registered weight only: PEFT's trainable-tokens wrapper computes a ``.weight`` (on shards, it fails)
+        weight = module._parameters.get("weight")
+        state = getattr(module, "quant_state", None) or getattr(weight, "quant_state", None)
         while state is not None and not isinstance(state, torch.Tensor):
             yield from (getattr(state, key, None) for key in ("absmax", "code", "offset"))
             state = getattr(state, "state2", None)
-        yield getattr(getattr(module, "weight", None), "SCB", None)
+        yield getattr(weight, "SCB", None)
 
 
 # ---- DeepSpeed ZeRO: what a rank holds lies outside model.parameters() ----

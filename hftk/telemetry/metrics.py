@@ -26,15 +26,16 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 
 class MetricsCallback(TrainerCallback):
-    """Adds throughput and perplexity to every log and appends it to ``metrics_file`` on rank 0.
+    """Adds throughput (and eval perplexity) to every log and appends it to ``metrics_file`` on rank 0.
 
     ``flops_per_step`` (all ranks) and ``peak_flops`` (sum of the devices' peaks) add MFU; they
     are None on CPU, where no meaningful peak exists.
     """
 
     def __init__(self, metrics_path: Path, tokens_per_step: int, samples_per_step: int,
-                 flops_per_step: float | None = None, peak_flops: float | None = None) -> None:
+                 flops_per_step: float | None = None, peak_flops: float | None = None, perplexity: bool = True) -> None:
         self.metrics_path = metrics_path
+        self.perplexity = perplexity  # False where the loss is not a token cross-entropy (DPO's pairwise loss)
         self.tokens_per_step = tokens_per_step
         self.samples_per_step = samples_per_step
         self.flops_per_step = flops_per_step
@@ -68,7 +69,7 @@ class MetricsCallback(TrainerCallback):
             if self.flops_per_step and self.peak_flops:
                 logs["mfu"] = self.flops_per_step / step_time / self.peak_flops
             self._window_time, self._window_steps = 0.0, 0
-        if "eval_loss" in logs:
+        if "eval_loss" in logs and self.perplexity:
             logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 50.0))
         if state.is_world_process_zero:
             append_jsonl(self.metrics_path, {"step": state.global_step, "epoch": state.epoch, **logs})

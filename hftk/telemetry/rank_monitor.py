@@ -76,6 +76,7 @@ def device_peak_flops(device: torch.device, dtype: str) -> float | None:
 def matmul_params(model: torch.nn.Module) -> tuple[int, int]:
     """(parameters used in matmuls, of which trainable): embedding lookups cost no FLOPs, a tied LM head does."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = getattr(head, "original_module", head)  # PEFT's trainable-tokens wrapper computes its .weight
     head_weight = getattr(head, "weight", None)
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight is not head_weight}
     # parameters() yields a tied weight once; ZeRO-3 leaves 0 elements locally, ds_numel is the full size

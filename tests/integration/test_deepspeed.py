@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import (TINY_ARGS, finetune_cells, load_weights, losses, max_weight_diff, metrics, plain_reference,
-                           python)
+from tests.helpers import (TINY_ARGS, finetune_cells, greedy_ids, hftk_greedy_ids, load_weights, losses, max_weight_diff,
+                           metrics, plain_reference, python)
 
 STEPS = 10
 CLIP = ["--max_grad_norm", "0.5"]
@@ -61,15 +61,6 @@ def launched(tmp_path_factory):
     return get
 
 
-def tied_once(weights: dict) -> dict:
-    """ZeRO-1/2's final folder (the Trainer's own save_model under DeepSpeed) also holds GPT-2's tied LM
-    head; the same tensor as the token embedding, it is compared once (a differing one stays in and fails)."""
-    head, embedding = weights.get("lm_head.weight"), weights.get("transformer.wte.weight")
-    if head is not None and embedding is not None and torch.equal(head, embedding):
-        return {k: v for k, v in weights.items() if k != "lm_head.weight"}
-    return weights
-
-
 def model_state(output_dir: Path) -> list[dict]:
     """Per-rank counted model state, logged once right after the first optimizer step."""
     rows = [m["model_state"] for m in metrics(output_dir) if "model_state" in m]
@@ -90,7 +81,9 @@ def test_losses_and_weights_equal_a_plain_trainer_on_one_process(launched, strat
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=tol), step
     assert ref[STEPS] < ref[1]
-    final = {name: tied_once(load_weights(launched(name) / "final")) for name in ("single", strategy)}
+    final = {name: load_weights(launched(name) / "final") for name in ("single", strategy)}
+    assert final["single"].keys() == final[strategy].keys()  # GPT-2's tied LM head written once, as its embedding
+    assert "lm_head.weight" not in final[strategy]
     assert max_weight_diff(final["single"], final[strategy]) < tol
     assert len(model_state(launched(strategy))) == 2  # two ranks counted their own state
 
@@ -193,6 +186,19 @@ def test_export_of_zero3_checkpoint_gives_the_live_eval_loss(launched, tmp_path)
     model = _reload(out)
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
     assert _eval_loss(out, tmp_path / "eval") == pytest.approx(live[0], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_hftk_generate_reads_a_zero3_checkpoint_without_export(launched):
+    """The ZeRO-3 shards of checkpoint-N, consolidated in one process, say what final/ says (plain generate)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftk.publish.export import detect
+
+    final, checkpoint = launched("zero3") / "final", launched("zero3") / f"checkpoint-{STEPS}"
+    want = greedy_ids(AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final))
+    assert detect(checkpoint).name == "deepspeed-zero"  # read from the fp32 shards, not the 16-bit gathered copy
+    assert hftk_greedy_ids(checkpoint) == want
 
 
 @pytest.mark.slow

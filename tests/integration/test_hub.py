@@ -87,6 +87,36 @@ def test_download_and_reload_round_trip(pushed, tmp_path, monkeypatch):
     assert torch.isfinite(a) and a.item() == b.item()
 
 
+def test_hftk_generate_reads_a_pushed_model_by_its_hub_id(pushed, tmp_path, monkeypatch, capsys):
+    """``hftk generate REPO`` downloads the private repo with the token from the environment and says what the
+    run's final/ says (plain ``generate``, greedy); a repo the Hub does not have is one line and exit 2."""
+    import huggingface_hub.constants
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftk.cli import main
+
+    out, _, hub, _ = pushed
+    for name, value in (("ENDPOINT", hub.base_url), ("HF_HUB_DISABLE_XET", True), ("HF_HUB_OFFLINE", False),
+                        ("HUGGINGFACE_CO_URL_TEMPLATE", hub.base_url + "/{repo_id}/resolve/{revision}/{filename}"),
+                        ("HF_HUB_CACHE", str(tmp_path / "cache"))):
+        monkeypatch.setattr(huggingface_hub.constants, name, value)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(out / "final").eval(), AutoTokenizer.from_pretrained(out / "final")
+    ids = tokenizer("In the beginning", return_tensors="pt").input_ids
+    with torch.no_grad():
+        new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:]
+    capsys.readouterr()
+    assert main(["generate", REPO, "--prompt", "In the beginning", "--max_new_tokens", "8"]) == 0
+    said = capsys.readouterr()
+    assert tokenizer.decode(new, skip_special_tokens=True).strip() in said.out and TOKEN not in said.out + said.err
+    (snapshot,) = (tmp_path / "cache").glob("models--*/snapshots/*")
+    assert not (snapshot / "last-checkpoint").exists()  # the model files only, not the pushed checkpoint
+    assert main(["generate", "hftk-test/no-such-model", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'hftk-test/no-such-model' is no local folder" in err[0], err
+
+
 def test_model_card_is_present_and_accurate(pushed):
     out, _, hub, _ = pushed
     card = repo_files(hub, REPO)[CARD_FILE].decode()

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FINETUNE, TINY_ARGS, losses, make_family, metrics, require_ranks, tiny_eval_loss, torchrun
+from tests.helpers import (FINETUNE, TINY_ARGS, greedy_ids, hftk_greedy_ids, losses, make_family, metrics, require_ranks,
+                           tiny_eval_loss, torchrun)
 
 STEPS = 4
 EVAL_BLOCKS = 16
@@ -152,6 +153,18 @@ def test_adamw_8bit_keeps_8bit_state(runs):
     for rank in line:
         params = rank["param_elements_full"]
         assert 2 * params < rank["optimizer"] < 0.75 * 8 * params, rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folder", ["fsdp-gpt2-4bit/final", f"ddp-gpt2-4bit/checkpoint-{STEPS}"])
+def test_hftk_generate_of_a_qlora_adapter_says_what_peft_on_the_quantized_base_says(runs, folder):
+    """The adapter on its base quantized as in training (PEFT, 4-bit layers): the reference for
+    ``hftk generate``, which rebuilds that base from the saved quantization record and dequantizes it."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    reference = PeftModel.from_pretrained(quantized_base("gpt2-4bit", runs), str(runs / folder))
+    assert greedy_ids(reference, AutoTokenizer.from_pretrained(runs / folder)) == hftk_greedy_ids(runs / folder)
 
 
 @pytest.mark.slow

@@ -27,12 +27,14 @@ from hftk.plan.types import MAX_REUSE_DISTANCE
 from tests.helpers import finetune_cells, metrics
 
 STEPS, NEW = 2, 8
-EOS = 0  # the built-in models' <|endoftext|>
 PROMPTS = ["And God said, Let there be", {"messages": [{"role": "user", "content": "Who made the heaven?"}]},
            "In the beginning"]
 COMMON = ["--max_steps", str(STEPS), "--learning_rate", "5e-3", "--per_device_train_batch_size", "2",
           "--eval_strategy", "steps", "--eval_steps", "1", "--save_strategy", "steps", "--save_steps", "1",
-          "--max_eval_samples", "2", "--chat_template", "chatml", "--sample_max_new_tokens", str(NEW)]
+          "--max_eval_samples", "2", "--sample_max_new_tokens", str(NEW),
+          # the chat markers stay text: no new embedding rows (LoRA under zero3 cannot train them on a CPU), and
+          # the tiny model's greedy output still changes from step 1 to step 2 at this learning rate
+          "--chat_template", "chatml", "--no_add_chat_tokens"]
 LORA = ["--lora_r", "4", "--learning_rate", "0.1"]
 PIPELINE = ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2"]
 RUNS = {"ddp": ["--report_to", "tensorboard"], "lora": [*LORA, "--report_to", "wandb"],
@@ -187,10 +189,14 @@ def test_one_rank_stopping_at_eos_at_once_and_the_other_running_to_the_limit_fin
 
 
 def test_samples_file_rows_and_their_time(runs):
+    from transformers import GenerationConfig
+
     root, _ = runs
+    eos = GenerationConfig.from_pretrained(root / "ddp" / "checkpoint-1").eos_token_id  # the run's, chat EOS too
+    eos = set(eos if isinstance(eos, list) else [eos])
     for row in samples(root / "ddp"):
         assert set(row) == {"step", "prompt", "completion", "tokens", "stop"}
-        assert row["stop"] == ("eos" if row["tokens"][-1] == EOS else "length")
+        assert row["stop"] == ("eos" if row["tokens"][-1] in eos else "length")
         assert len(row["tokens"]) == NEW or row["stop"] == "eos"
     timed = {m["step"]: m["sample_time_s"] for m in metrics(root / "ddp") if "sample_time_s" in m}
     assert set(timed) == set(range(1, STEPS + 1)) and all(t > 0 for t in timed.values()), timed

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.faults import hub_env
-from tests.helpers import (ROOT, TINY_ARGS, finetune, load_weights, losses, max_weight_diff, metrics, plain_reference,
-                           torchrun, wandb_run)
+from tests.helpers import (ROOT, TINY_ARGS, finetune, greedy_ids, hftk_greedy_ids, load_weights, losses, max_weight_diff,
+                           metrics, plain_reference, torchrun, wandb_run)
 
 STEPS = 5
 TOL = 1e-5
@@ -416,6 +416,19 @@ def test_export_of_tp_and_cp_checkpoints_equals_the_reference(llama_ref, llama_t
     for name, run in (("tp", llama_tp), ("cp", llama_cp)):
         assert export_main([str(run / "checkpoint-3"), str(tmp_path / name)]) == 0
         assert max_weight_diff(load_weights(tmp_path / "ref"), load_weights(tmp_path / name)) < TOL, name
+
+
+@pytest.mark.slow
+def test_hftk_generate_reads_a_tp_checkpoint_without_export(llama_ref, llama_tp, tmp_path):
+    """The tp mesh checkpoint, consolidated in one process by ``hftk generate``, says what the one-process
+    reference's checkpoint says through plain ``generate``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftk.publish.export import main as export_main
+
+    assert export_main([str(llama_ref / "checkpoint-3"), str(tmp_path / "ref")]) == 0
+    want = greedy_ids(AutoModelForCausalLM.from_pretrained(tmp_path / "ref"), AutoTokenizer.from_pretrained(tmp_path / "ref"))
+    assert hftk_greedy_ids(llama_tp / "checkpoint-3") == want
 
 
 @pytest.mark.slow

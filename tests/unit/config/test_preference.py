@@ -46,3 +46,15 @@ def test_every_strategy_decides_on_dpo() -> None:
         with pytest.raises(HftkError, match=f"strategy {strategy}"):
             support.check_method(strategy, "dpo")
         support.check_method(strategy, "sft")
+
+
+def test_dpo_with_lora_is_refused_where_the_adapter_is_sharded() -> None:
+    for strategy in support.DPO_STRATEGIES:
+        support.check_method(strategy, "dpo", 0)
+        if strategy in support.DPO_LORA_REFUSED:
+            with pytest.raises(HftkError, match=f"DPO with LoRA is not supported with strategy {strategy}") as info:
+                support.check_method(strategy, "dpo", 8)
+            assert info.value.field == "model.lora_r"
+        else:
+            support.check_method(strategy, "dpo", 8)
+    assert set(support.DPO_LORA_REFUSED) == {"fsdp", "zero3", "zero3_offload"}

@@ -14,7 +14,7 @@ from tests.helpers import ROOT
 def test_readme_support_table_is_the_rendered_one():
     readme = (ROOT / "README.md").read_text()
     assert support.with_table(readme) == readme, "regenerate it: python -m hftk.config.support README.md"
-    assert "| sp | refused [6] |" in readme  # the rendering itself, read by eye once
+    assert "| sp | refused [11] |" in readme  # the rendering itself, read by eye once
 
 
 def test_every_strategy_and_family_has_a_row_and_a_column():
@@ -23,7 +23,19 @@ def test_every_strategy_and_family_has_a_row_and_a_column():
 
     table = support.render_markdown()
     assert [line.split(" | ")[0][2:] for line in table.splitlines()[2:2 + len(STRATEGIES)]] == list(STRATEGIES)
-    assert table.splitlines()[0].count("|") == len(FAMILIES) + 3  # + the quantized-base column
+    assert table.splitlines()[0].count("|") == len(FAMILIES) + 4  # + the quantized-base and DPO columns
+
+
+def test_dpo_column_says_what_check_method_does():
+    rows = support.render_markdown().splitlines()[2:2 + len(support.STRATEGIES)]
+    for strategy, row in zip(support.STRATEGIES, rows, strict=True):
+        dpo = row.split(" | ")[-1].removesuffix(" |")
+        if strategy in support.DPO_REFUSED:
+            assert dpo.startswith("refused ["), row
+        elif strategy in support.DPO_LORA_REFUSED:
+            assert dpo.startswith("full; LoRA refused ["), row
+        else:
+            assert dpo == "full, LoRA", row
 
 
 @pytest.mark.parametrize("strategy", support.STRATEGIES)

@@ -18,3 +18,8 @@ def test_done_line_says_time_quality_place_and_what_a_rerun_does():
 def test_done_line_of_a_run_that_resumed_at_its_last_step():
     line = done_line(9.0, 40, 3.0, "out/final", 40, resumes=True, newest_checkpoint=40)
     assert line.startswith("hftk: the run was already complete at step 40: nothing left to train (eval loss 3.0000")
+
+
+def test_done_line_of_a_dpo_run_says_its_loss_and_preference_accuracy_not_a_perplexity():
+    line = done_line(5.0, 60, 0.4321, "out/final", None, resumes=True, newest_checkpoint=None, preference_accuracy=0.9)
+    assert "eval DPO loss 0.4321, preference accuracy 0.900;" in line and "perplexity" not in line

@@ -148,3 +148,53 @@ def test_template_that_rewrites_earlier_turns_is_refused():
     tokenizer.chat_template = "{{ messages|length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(HftkError, match="data.chat_template"):
         chat.encode_conversation(tokenizer, conversation(1), tokenizer.chat_template)
+
+
+def builtin_tokenizer():
+    from hftk.config.options import ModelConfig
+    from hftk.models.loading import load_tokenizer
+
+    return load_tokenizer(ModelConfig(model_name_or_path="builtin:gpt2-tiny"))
+
+
+@pytest.mark.parametrize("file,eot", [("llama3.jinja", "<|eot_id|>"), ("qwen2.jinja", "<|im_end|>"),
+                                      ("qwen2_generation.jinja", "<|im_end|>"), ("mistral.jinja", None)])
+def test_end_of_turn_is_the_marker_right_after_a_messages_content(file, eot):
+    assert chat.end_of_turn((TEMPLATES / file).read_text()) == eot
+
+
+def test_end_of_turn_after_a_content_expression_closed_before_the_marker():
+    assert chat.end_of_turn("{% for m in messages %}{{ message['content'] | trim }}<|end|>{% endfor %}") == "<|end|>"
+    assert chat.end_of_turn(chat.resolve_template("chatml")) == "<|im_end|>"
+
+
+def test_markers_already_tokens_of_the_tokenizer_are_not_missing(family):
+    name, tokenizer = family
+    assert chat.missing_markers(tokenizer, tokenizer.chat_template) == []
+
+
+def test_chatml_markers_become_single_special_tokens_and_the_end_of_turn_the_eos(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = builtin_tokenizer()
+    template = chat.resolve_template("chatml")
+    before, pad = len(tokenizer), tokenizer.pad_token
+    assert chat.missing_markers(tokenizer, template) == ["<|im_start|>", "<|im_end|>"]
+    assert len(tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]) > 1  # today: trained as text
+
+    said = chat.add_chat_tokens(tokenizer, template)
+    assert said.startswith("added <|im_start|>, <|im_end|> as special tokens; EOS is <|im_end|>")
+    assert len(tokenizer) == before + 2 and tokenizer.pad_token == pad
+    assert tokenizer.convert_ids_to_tokens(tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]) == ["<|im_end|>"]
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == before + 1
+    assert chat.add_chat_tokens(tokenizer, template) is None  # nothing missing any more
+
+    # Every assistant turn's labels end on the EOS: the model learns to stop there.
+    tokenizer.chat_template = template
+    enc = chat.encode_conversation(tokenizer, conversation(2), template)
+    assert [enc.input_ids[e - 1] for _, e in enc.spans] == [tokenizer.eos_token_id] * 2
+
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert (len(reloaded), reloaded.eos_token, reloaded.pad_token) == (before + 2, "<|im_end|>", pad)
+    assert reloaded("<|im_start|>user", add_special_tokens=False)["input_ids"][0] == before

@@ -90,3 +90,55 @@ def test_bad_quantization_options_are_refused_by_name(args, field, words, monkey
 def test_paged_optimizer_is_refused_without_a_gpu(monkeypatch, tmp_path):
     err = refusal(["--optim", "paged_adamw_8bit", "--output_dir", str(tmp_path)], monkeypatch)
     assert err.field == "training.optim" and "adamw_8bit" in err.fix
+
+
+@pytest.mark.parametrize("name,family", [("builtin:gpt2-tiny", "gpt2"), ("builtin:llama-tiny", "llama")])
+def test_added_chat_tokens_train_with_the_adapter_and_reload_and_merge_as_trained(name, family, tmp_path):
+    """Chat markers added to the vocabulary: PEFT's trainable tokens train their rows (GPT-2's tied head follows
+    the embedding, Llama's untied head trains its own new rows), hftk's adapter file holds them (and the grown
+    embeddings, as PEFT's own save does), and PEFT's reload on the grown base and hftk's merge give the trained
+    model's logits."""
+    from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hftk.config.options import ModelConfig
+    from hftk.models import lora
+    from hftk.models.loading import fit_to_tokenizer, load_model, load_tokenizer, resolve_model_path
+
+    cfg = ModelConfig(model_name_or_path=name, lora_r=4)
+    tokenizer = load_tokenizer(cfg, "chatml")
+    model = load_model(cfg)
+    new = fit_to_tokenizer(model, tokenizer, seed=0)
+    torch.manual_seed(0)
+    peft = get_peft_model(model, lora.lora_config(cfg, family, lora.trainable_tokens(model, new)))
+    trainable = {n for n, p in peft.named_parameters() if p.requires_grad}
+    deltas = {n.split(".token_adapter")[0].rsplit(".", 1)[-1] for n in trainable if "trainable_tokens_delta" in n}
+    assert deltas == ({"wte"} if family == "gpt2" else {"embed_tokens", "lm_head"})
+    with torch.no_grad():  # "trained": every trainable tensor moved
+        for n, p in peft.named_parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    ids = torch.tensor([tokenizer("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")["input_ids"]])
+    assert ids.max() == 2049
+    peft.eval()
+    want = peft(ids).logits
+
+    folder = tmp_path / "adapter"
+    lora.write_adapter(folder, peft.peft_config[lora.ADAPTER_NAME], lora.adapter_tensors(peft), lora.adapter_shapes(peft))
+    tokenizer.save_pretrained(folder)
+    saved = load_file(str(folder / lora.ADAPTER_WEIGHTS))
+    peft_keys = set(get_peft_model_state_dict(peft))
+    assert set(saved) <= peft_keys and {k for k in peft_keys if "wte" in k or "embed_tokens" in k} <= set(saved)
+    if family == "llama":  # the untied head's new rows and the grown head itself (a tied one is the embedding)
+        assert {k for k in peft_keys if "lm_head" in k} <= set(saved)
+    assert any(k.endswith("trainable_tokens_delta") for k in saved)
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg))
+    fit_to_tokenizer(base, tokenizer, seed=123)  # other new rows: the saved ones replace them
+    reloaded = PeftModel.from_pretrained(base, str(folder)).eval()
+    torch.testing.assert_close(reloaded(ids).logits, want, rtol=0, atol=1e-5)
+    merged = lora.merged_model(folder, resolve_model_path(cfg)).eval()
+    assert merged.get_input_embeddings().weight.shape[0] == len(tokenizer)
+    assert merged.config.eos_token_id == tokenizer.eos_token_id == 2049
+    torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)

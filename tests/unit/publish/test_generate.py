@@ -101,8 +101,9 @@ def test_bad_input_is_one_line_exit_2(llama, tmp_path, capsys):
         assert len(err) == 1 and needle in err[0], err
 
 
-def test_messages_rows_use_the_saved_chat_template(llama, tmp_path, capsys):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def chat_folder(llama, tmp_path):
+    """A copy of the llama checkpoint whose saved tokenizer has a small chat template."""
+    from transformers import AutoTokenizer
 
     folder = tmp_path / "chat"
     shutil.copytree(llama, folder)
@@ -110,6 +111,14 @@ def test_messages_rows_use_the_saved_chat_template(llama, tmp_path, capsys):
     tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                                "{% if add_generation_prompt %}<assistant>{% endif %}")
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_messages_rows_use_the_saved_chat_template(llama, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = chat_folder(llama, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     messages = [{"role": "user", "content": "the cat sat on"}]
     (tmp_path / "p.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
@@ -123,3 +132,49 @@ def test_messages_rows_use_the_saved_chat_template(llama, tmp_path, capsys):
     assert main(["generate", str(folder), "--prompts", str(tmp_path / "p.jsonl"), "--max_new_tokens", "12"]) == 0
     got = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("[INFO] Running in WANDB")]
     assert "\n".join(got).strip() == expected.strip()
+
+
+def test_chat_keeps_the_conversation_through_the_saved_template(llama, tmp_path, capsys, monkeypatch):
+    """Two typed turns: the second is answered with the first turn and its reply in context, as plain
+    ``apply_chat_template`` + ``model.generate`` over the same conversation answers it."""
+    import io
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = chat_folder(llama, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+
+    def answer(messages):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                 pad_token_id=tokenizer.eos_token_id)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat on"}]
+    conversation.append({"role": "assistant", "content": answer(conversation)})
+    conversation.append({"role": "user", "content": "and then"})
+    second = answer(conversation)
+    assert second != answer([conversation[0], conversation[-1]])  # the context changes the answer: kept or not shows
+    monkeypatch.setattr("sys.stdin", io.StringIO("the cat sat on\nand then\n\nnever read\n"))
+    capsys.readouterr()
+    assert main(["generate", str(folder), "--chat", "--system", "be brief", "--max_new_tokens", "8"]) == 0
+    got = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("[INFO] Running in WANDB")]
+    assert [line.strip() for line in got] == [conversation[2]["content"].strip(), second.strip()]
+
+
+def test_chat_needs_a_chat_template_and_system_needs_chat(llama, capsys, monkeypatch):
+    import io
+
+    from transformers import AutoTokenizer
+
+    assert not AutoTokenizer.from_pretrained(llama).chat_template
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    for argv, needle in (["--chat"], "--chat: this checkpoint's tokenizer has no chat template"), \
+                        (["--prompt", "x", "--system", "s"], "--system: is for --chat"):
+        capsys.readouterr()
+        assert main(["generate", str(llama), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err

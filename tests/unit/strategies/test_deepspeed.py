@@ -133,3 +133,20 @@ def test_a_zero_checkpoint_deepspeed_cannot_convert_fails_in_one_line_and_leaves
                                         r"universal checkpoint: .* Fix: resume with the number of ranks that saved it"):
         to_universal(folder)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-5"]
+
+
+def test_lora_with_added_chat_tokens_under_zero3_is_refused_without_a_gpu(monkeypatch):
+    """PEFT's trainable tokens gather the new rows on a CUDA device under ZeRO-3: on CPU the run would crash
+    in every rank's get_peft_model; named before launch instead, with the two ways out."""
+    from hftk.config.options import load_config
+    from hftk.strategies import deepspeed as ds
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    chat = [*TINY_ARGS, "--strategy", "zero3", "--chat_template", "chatml"]
+    with pytest.raises(HftkError) as refused:
+        ds.validate(load_config([*chat, "--lora_r", "4"]), 2)
+    assert refused.value.field == "data.add_chat_tokens" and "--no_add_chat_tokens" in refused.value.one_line()
+    ds.validate(load_config([*chat, "--lora_r", "4", "--no_add_chat_tokens"]), 2)
+    ds.validate(load_config(chat), 2)  # full fine-tuning: transformers' resize gathers on any device
+    ds.validate(load_config([*chat, "--lora_r", "4", "--strategy", "zero2"]), 2)  # not partitioned
