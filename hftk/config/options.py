@@ -326,6 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
                               f"(sections: {', '.join([*SECTIONS, 'training'])}); command-line options override "
                               "the file.")
     parser.add_argument("--config", default=None, help="YAML file with the run configuration.")
+    # HfArgumentParser reads ``report_to: None | str | list[str]`` as one string: several reporters
+    # (``--report_to wandb tensorboard``, or ``wandb,tensorboard``) need a list.
+    report_to = next(a for a in parser._actions if "--report_to" in a.option_strings)
+    report_to.nargs, report_to.type = "+", None
+    report_to.help = "where metrics go: one or more of the Trainer's reporters (tensorboard, wandb, ...), or none"
     parser.set_defaults(**TRAINING_DEFAULTS)
     return parser
 
@@ -394,6 +399,9 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
                 if k in training_fields and v not in (None, field_default(training_fields[k]))}
     for key in TRAINING_DEFAULTS:
         training[key] = values[key]
+    if isinstance(training.get("report_to"), list):  # "none" and "all" are the Trainer's words, not reporters
+        names = [name for item in training["report_to"] for name in str(item).split(",") if name]
+        training["report_to"] = names[0] if names in (["none"], ["all"]) else names
     # The declared annotations: HfArgumentParser narrows the fields' ``type`` in place (``int | None`` -> int).
     for name, section in sections.items():
         for f in dataclasses.fields(section):

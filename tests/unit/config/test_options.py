@@ -27,6 +27,21 @@ def test_yaml_sections_and_cli_overrides(tmp_path):
     assert load_config(cfg_args := ["--config", str(path)]).data.block_size == 32, cfg_args
 
 
+def test_report_to_takes_several_reporters_as_the_readme_shows(tmp_path):
+    """``--report_to wandb tensorboard`` (the README's example) and ``wandb,tensorboard`` name two reporters;
+    "none" stays the Trainer's word for none (a list holding it is refused by its reporter lookup)."""
+    from transformers import TrainingArguments
+
+    base = ["--output_dir", str(tmp_path)]
+    for given, want in ((["wandb", "tensorboard"], ["wandb", "tensorboard"]), (["wandb,tensorboard"], ["wandb", "tensorboard"]),
+                        (["wandb"], ["wandb"]), (["none"], "none")):
+        training = load_config([*base, "--report_to", *given]).training
+        assert training["report_to"] == want, given
+        assert TrainingArguments(output_dir=str(tmp_path), report_to=training["report_to"]).report_to == \
+            (want if want != "none" else [])
+    assert load_config(base).training["report_to"] == TRAINING_DEFAULTS["report_to"]
+
+
 def test_every_training_argument_passes_through():
     cfg = load_config(["--adam_beta2", "0.95", "--weight_decay", "0.1", "--optim", "adamw_torch"])
     assert cfg.training["adam_beta2"] == 0.95 and cfg.training["weight_decay"] == 0.1
