@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -103,6 +104,7 @@ def rank_main(request: dict[str, Any], rank: int, port: int, run_id: str, fds: l
             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _own_wandb_media_dir()
     os.chdir(request["cwd"])
     for fd, target in zip(fds, (1, 2)):
         os.dup2(fd, target)
@@ -136,6 +138,19 @@ def rank_main(request: dict[str, Any], rank: int, port: int, run_id: str, fds: l
             except Exception:  # noqa: BLE001 -- a closed stream has nothing left to write
                 pass
         os._exit(code)
+
+
+def _own_wandb_media_dir() -> None:
+    """wandb stages tables and images in a TemporaryDirectory made when it is imported -- here once, in the
+    server -- and deletes it when a process exits: a fresh interpreter owns its own. So does each fork: the
+    inherited finalizer is detached (the server's folder is not this rank's to delete) and the rank gets a
+    folder of its own, removed at its exit."""
+    private = sys.modules.get("wandb.sdk.data_types._private")
+    if private is None:
+        return
+    private.MEDIA_TMP._finalizer.detach()
+    private.MEDIA_TMP.name = tempfile.mkdtemp("wandb-media")
+    atexit.register(shutil.rmtree, private.MEDIA_TMP.name, ignore_errors=True)
 
 
 def supervise(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:

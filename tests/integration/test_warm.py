@@ -4,6 +4,7 @@ with its ranks and reported with its output while the next cell still runs."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -59,3 +60,33 @@ def test_a_hung_or_crashed_cell_is_killed_with_its_ranks_and_the_next_cell_runs(
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids), "a rank outlived its cell"
     finetune(2, ["--max_steps", "1", "--output_dir", str(tmp_path / "next")])
+
+
+WANDB_CELL = '''
+import os, sys
+import wandb
+from wandb.sdk.data_types._private import MEDIA_TMP
+
+run = wandb.init(mode="offline", dir=sys.argv[1])
+run.log({"table": wandb.Table(columns=["a"], data=[["x"]])})  # staged in wandb's media folder
+run.finish()
+print("media", MEDIA_TMP.name, os.path.isdir(MEDIA_TMP.name))
+'''
+
+
+def test_a_cell_that_used_wandb_leaves_the_next_cells_media_folder_alone(tmp_path):
+    """wandb stages media in a folder made at its import (in the warm server) and deletes it at exit: a finished
+    cell must not take it from the next one (a later Table log then failed with FileNotFoundError)."""
+    from tests.helpers import python
+
+    script = tmp_path / "wandb_cell.py"
+    script.write_text(WANDB_CELL)
+    folders = []
+    for run in ("first", "second"):
+        (tmp_path / run).mkdir()
+        result = python([str(script), str(tmp_path / run)], timeout=300)
+        assert result.returncode == 0, result.output[-4000:]
+        (line,) = [line for line in result.stdout.splitlines() if line.startswith("media ")]
+        assert line.endswith(" True"), line
+        folders.append(line.split()[1])
+    assert folders[0] != folders[1] and not any(os.path.exists(f) for f in folders)  # each its own, removed at exit
