@@ -10,6 +10,7 @@ from hftk.config import strategy_table
 from hftk.config.options import field_default
 from hftk.core import startup
 from hftk.core.errors import HftkError
+from hftk.data.dataset import split_rows
 from hftk.engine import trainer as trainer_engine
 from hftk.engine.run_types import PreparedRun
 from hftk.launch.guard import check_world
@@ -88,17 +89,10 @@ def reference_held(trainer: Any, strategy_name: str) -> str:
 
 
 def preference_splits(prepared: PreparedRun, seed: int) -> tuple[Any, Any]:
-    """(train, eval) rows: the eval split if named, else ``data.eval_fraction`` held out with the run's seed."""
+    """(train, eval) rows of the one preference dataset, split as every dataset is (and as the samples'
+    held-out prompts are drawn): :func:`hftk.data.dataset.split_rows`."""
     source = prepared.sources[0]
-    train = source.raw[source.cfg.train_split]
-    if prepared.cfg.data.max_train_samples:
-        train = train.select(range(min(prepared.cfg.data.max_train_samples, len(train))))
-    if source.cfg.eval_split:
-        return train, source.raw[source.cfg.eval_split]
-    if prepared.cfg.data.eval_fraction > 0:
-        split = train.train_test_split(test_size=prepared.cfg.data.eval_fraction, seed=seed)
-        return split["train"], split["test"]
-    return train, None
+    return split_rows(source.cfg, source.raw, seed)
 
 
 def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
