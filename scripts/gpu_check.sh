@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU check of hftk's CUDA-only paths, for the next session lent an NVIDIA GPU (one is enough;
 # under 8 minutes on one H200). It runs the suite's GPU-relevant in-process tests, then short real
-# runs at world size 1 under torchrun (NCCL): ddp fp32 / bf16 / tf32 / fp16 (an overflow the loss
-# scaler skips must not stop the run), fsdp bf16, zero3 bf16, zero3_offload bf16, a resume with
+# runs under torchrun (NCCL): ddp fp32 / bf16 / tf32 / fp16 at world size 1 (an overflow the loss
+# scaler skips must not stop the run), fsdp bf16, zero3 bf16, zero3_offload bf16 on 2 ranks where 2
+# GPUs are lent (hftk refuses to shard over one rank; one GPU: said in the summary), a resume with
 # dropout on (losses after the resume equal the uninterrupted run's), and writes
 # summary.md (tokens/s, MFU, peak memory per run, from each run's metrics.jsonl) plus the logs to
 # the folder given as $1 (default: $OUT when set, else gpu_check_out). The multi-rank layouts
@@ -74,18 +75,29 @@ COMMON=(--model_name_or_path builtin:gpt2-90m --model_dropout 0 --block_size 102
         --per_device_train_batch_size 8 --max_steps 30 --logging_steps 10 --learning_rate 3e-4
         --lr_scheduler_type constant --warmup_steps 0 --eval_strategy no --save_strategy no --report_to none
         --disable_tqdm true --seed 7)
-train() {  # train NAME ARGS...: one rank under torchrun (NCCL), hftk's real entry point
+NPROC=1
+train() {  # train NAME ARGS...: $NPROC ranks under torchrun (NCCL), hftk's real entry point
   local name=$1; shift
-  step "$name" "$PY" -m torch.distributed.run --nproc_per_node 1 --standalone \
+  step "$name" "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" --standalone \
     scripts/finetune.py "${COMMON[@]}" --output_dir "$WORK/$name" "$@"
 }
+RUNS=(ddp_fp32 ddp_tf32 ddp_bf16 ddp_fp16)
 train ddp_fp32 --strategy ddp
 train ddp_tf32 --strategy ddp --tf32 true
 train ddp_bf16 --strategy ddp --bf16
 train ddp_fp16 --strategy ddp --fp16 --nan_policy stop  # first steps overflow at scale 2**16
-train fsdp_bf16 --strategy fsdp --bf16
-train zero3_bf16 --strategy zero3 --bf16
-train zero3_offload_bf16 --strategy zero3_offload --bf16
+# Sharding needs two ranks (hftk refuses fsdp / zero3 over one: nothing to shard) and NCCL one GPU per rank.
+if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ]; then
+  NPROC=2
+  train fsdp_bf16 --strategy fsdp --bf16
+  train zero3_bf16 --strategy zero3 --bf16
+  train zero3_offload_bf16 --strategy zero3_offload --bf16
+  NPROC=1
+  RUNS+=(fsdp_bf16 zero3_bf16 zero3_offload_bf16)
+  SHARDED="fsdp / zero3 / zero3_offload: 2 ranks (rows above)"
+else
+  SHARDED="fsdp / zero3 / zero3_offload: not run (one GPU; sharding needs 2 ranks, one GPU each)"
+fi
 
 # The multi-rank layouts on this one GPU, in one process (fake process group; see the script's docstring).
 step layouts "$PY" scripts/gpu_check_layouts.py --dtypes fp32,bf16
@@ -107,8 +119,9 @@ train resume_resumed --strategy ddp --bf16 --model_dropout 0.1 --max_steps 20 --
   --save_strategy steps --save_steps 10 --resume_from_checkpoint latest
 step resume_check "$PY" scripts/gpu_check_summary.py --resume "$WORK/resume_full" "$WORK/resume_resumed"
 
-RUNS=(ddp_fp32 ddp_tf32 ddp_bf16 ddp_fp16 fsdp_bf16 zero3_bf16 zero3_offload_bf16 llama1b_bf16)
+RUNS+=(llama1b_bf16)
 { "$PY" scripts/gpu_check_summary.py "$WORK" "${RUNS[@]}"
+  echo; echo "$SHARDED"
   echo; "$PY" scripts/gpu_check_summary.py --mfu "$WORK/llama1b_bf16"
   echo; cat "$OUT_DIR/resume_check.log"
   echo; grep -v '^\[' "$OUT_DIR/layouts.log" | grep -E '^(\||layouts)'

@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     with args.main_process_first(desc="tokenize"):
         train = blocks(a.text, tokenizer, a.block_size)
     ENDS["data"] = time.time()
-    model = AutoModelForCausalLM.from_pretrained(a.model)
+    model = AutoModelForCausalLM.from_pretrained(a.model, use_kernels=False)  # hftk's layers (its default): hub kernels are fetched
     ENDS["model"] = time.time()
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator,
                       callbacks=[FirstStep(a.out)])

@@ -55,6 +55,10 @@ class ModelConfig:
     model_revision: str = _opt("main", "Hub revision (branch, tag or commit) of the model.")
     tokenizer_name_or_path: str | None = _opt(None, "Tokenizer source when it differs from the model.")
     trust_remote_code: bool = _opt(False, "Run code shipped with a Hub model. Off unless you trust the repository.")
+    use_hub_kernels: bool = _opt(
+        False, "Let transformers swap the model's layers for kernels-community kernels fetched from the Hub when the "
+        "model changes mode (code from the Hub, as trust_remote_code; offline it needs the kernel cached). Off: the "
+        "model's own layers, on every device.")
     model_dtype: str = _opt("float32", "dtype the weights are loaded in; mixed precision is training.bf16 / "
                             "training.fp16.", choices=["float32", "bfloat16", "float16"])
     attn_implementation: str | None = _opt(None, "Attention kernel: eager, sdpa, flash_attention_2 (None: transformers' choice).")

@@ -178,7 +178,8 @@ def load_model(cfg: ModelConfig, shardable: bool = False) -> Any:
     from transformers import AutoModelForCausalLM
 
     config = load_model_config(cfg)
-    kwargs: dict[str, Any] = {"dtype": DTYPES[cfg.model_dtype], "trust_remote_code": cfg.trust_remote_code}
+    kwargs: dict[str, Any] = {"dtype": DTYPES[cfg.model_dtype], "trust_remote_code": cfg.trust_remote_code,
+                              "use_kernels": cfg.use_hub_kernels}  # transformers' default: on whenever `kernels` is installed
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     quantization = quantization_config(cfg, shardable)

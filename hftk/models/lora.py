@@ -417,11 +417,12 @@ def merged_model(folder: Path, base: str | None = None) -> Any:
     quantization = quantization_of(folder)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     if quantization is None:
-        model = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype="auto")
+        model = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype="auto", use_kernels=False)
         fit_to_tokenizer(model, tokenizer, seed=0)  # any rows: the adapter's saved embeddings replace them
         return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
     model = AutoModelForCausalLM.from_pretrained(base, revision=revision, device_map={"": local_device()},
-                                                 quantization_config=BitsAndBytesConfig.from_dict(quantization))
+                                                 quantization_config=BitsAndBytesConfig.from_dict(quantization),
+                                                 use_kernels=False)
     model = model.dequantize()
     fit_to_tokenizer(model, tokenizer, seed=0)
     merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()

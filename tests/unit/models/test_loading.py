@@ -63,3 +63,16 @@ def test_fit_to_tokenizer_grows_the_embeddings_as_transformers_does_with_the_sam
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert reloaded.get_input_embeddings().weight.shape[0] == len(tokenizer)
     assert reloaded.config.eos_token_id == GenerationConfig.from_pretrained(tmp_path).eos_token_id == eos
+
+
+def test_hub_kernels_stay_off_unless_asked(tmp_path):
+    """transformers turns hub kernels on whenever `kernels` is installed, and on CUDA then fetches
+    kernels-community layers at the first model.eval() (offline: the run fails after training)."""
+    from transformers import AutoModelForCausalLM
+
+    from hftk.data.builtin import materialize_model
+
+    path = materialize_model("builtin:gpt2-tiny")
+    assert AutoModelForCausalLM.from_pretrained(path).use_kernels, "transformers' default changed: this test proves nothing"
+    assert not load_model(ModelConfig(model_name_or_path="builtin:gpt2-tiny")).use_kernels
+    assert load_model(ModelConfig(model_name_or_path="builtin:gpt2-tiny", use_hub_kernels=True)).use_kernels
