@@ -1,5 +1,5 @@
 """What hftk supports: every strategy x model family x {full fine-tuning, LoRA}, plus a quantized
-(QLoRA) base and preference tuning (DPO, full and LoRA) per strategy, in one table.
+(QLoRA) base and preference tuning (DPO, full, LoRA and QLoRA) per strategy, in one table.
 
 What each strategy allows is a flag in the strategy table (:data:`hftk.config.strategy_table.STRATEGIES`); this
 module says why each refusal is one and raises it. The strategies' validators take their LoRA refusals
@@ -227,7 +227,9 @@ def render_markdown() -> str:
         full, lora = dpo_refusal(strategy, False), dpo_refusal(strategy, True)
         if full is not None:
             return f"refused {mark(full)}"
-        return "full, LoRA" if lora is None else f"full; LoRA refused {mark(lora)}"
+        if lora is not None:
+            return f"full; LoRA refused {mark(lora)}"
+        return "full, LoRA" + (", QLoRA" if strategy not in QUANT_REFUSED else "")
 
     families = list(FAMILIES)
     lines = ["| strategy | " + " | ".join(FAMILIES[f].name for f in families)

@@ -1,8 +1,9 @@
 """DPO through hftk equals a one-process TRL DPOTrainer: 2 gloo ranks under ddp (GPT-2, Llama and Qwen2 made
-from configs), fsdp and ZeRO-1/2/3/3-offload (GPT-2), and LoRA under ddp and ZeRO-2, give the same per-step loss,
-rewards/chosen, rewards/rejected and rewards/margins (fp32, 1e-5) and the same final weights (or adapter); a
-short run on a learnable preference set lifts held-out rewards/accuracies above chance. The cells run on shared
-warm ranks (``finetune_cells``); the references (one per family, with and without LoRA) run in this process."""
+from configs), fsdp and ZeRO-1/2/3/3-offload (GPT-2), LoRA under ddp and ZeRO-2 and QLoRA (4-bit NF4) under ddp
+give the same per-step loss, rewards/chosen, rewards/rejected and rewards/margins (fp32, 1e-5) and the same final
+weights (or adapter; QLoRA's, which TRL keeps in bf16, within one bf16 step); a short run on a learnable
+preference set lifts held-out rewards/accuracies above chance. The cells run on shared warm ranks
+(``finetune_cells``); the references (one per family and adapter) run in this process."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import finetune_cells, load_weights, make_family, max_weight_diff, metrics
 
@@ -20,11 +22,13 @@ from tests.helpers import finetune_cells, load_weights, make_family, max_weight_
 TOL = 1e-5
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins")
 STEPS, BATCH = 4, 8
-# (strategy, family, lora) on 2 ranks, each against the one-process reference of its family (and LoRA).
+# (strategy, family, adapter: False, True (LoRA) or "qlora") on 2 ranks, each against the one-process reference
+# of its family and adapter.
 CELLS = [("ddp", "gpt2", False), ("ddp", "llama", False), ("ddp", "qwen2", False), ("fsdp", "gpt2", False),
          ("zero1", "gpt2", False), ("zero2", "gpt2", False), ("zero3", "gpt2", False), ("zero3_offload", "gpt2", False),
-         ("ddp", "gpt2", True), ("zero2", "gpt2", True)]
+         ("ddp", "gpt2", True), ("zero2", "gpt2", True), ("ddp", "gpt2", "qlora")]
 LORA = ["--lora_r", "8"]  # hftk's defaults otherwise: alpha 16, dropout 0, GPT-2's c_attn / c_proj / c_fc
+QLORA = [*LORA, "--load_in_4bit"]  # hftk's defaults otherwise: NF4, double quantization, fp32 compute
 # How each strategy holds the reference (checked by hftk before training): sharded wherever the policy is.
 WHOLE = "a whole copy on each rank"
 HELD = {"ddp": WHOLE, "zero1": WHOLE, "zero2": WHOLE, "fsdp": "sharded over 2 ranks (FSDP2)",
@@ -49,21 +53,31 @@ def _preferences(path: Path, rows: int, seed: int) -> Path:
     return path
 
 
-def _name(strategy: str, family: str, lora: bool) -> str:
-    return f"{strategy}_{family}" + ("_lora" if lora else "")
+def _name(strategy: str, family: str, lora: bool | str) -> str:
+    return f"{strategy}_{family}" + ("_qlora" if lora == "qlora" else "_lora" if lora else "")
 
 
-def _reference(model_dir: Path, data: Path, out: Path, lora: bool) -> tuple[list[dict], dict]:
+def _reference(model_dir: Path, data: Path, out: Path, lora: bool | str) -> tuple[list[dict], dict]:
     """TRL's own DPOTrainer, one process, batch 8, fp32 (bf16 off: DPOConfig's default is on): its per-step
     logs and final weights (with ``lora``: PEFT's LoRA of the same config and seed; TRL's reference is then the
-    base with the adapter disabled; the adapter's weights)."""
+    base with the adapter disabled; the adapter's weights; ``"qlora"``: the base loaded in 4 bits by
+    transformers' BitsAndBytesConfig and prepared by PEFT's prepare_model_for_kbit_training, as QLoRA recipes do)."""
     import datasets
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if lora == "qlora":
+        from peft import prepare_model_for_kbit_training
+        from transformers import BitsAndBytesConfig
+
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                          bnb_4bit_compute_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=quantization,
+                                                     device_map={"": "cpu"})
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -99,7 +113,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     common = ["--method", "dpo", "--dataset", str(data), "--per_device_train_batch_size", str(BATCH // 2),
               "--max_steps", str(STEPS), "--beta", "0.1", "--eval_fraction", "0", "--adam_epsilon", "1e-4"]
     cells = {_name(*cell): [*common, "--strategy", cell[0], "--model_name_or_path", str(models[cell[1]]),
-                            *(LORA if cell[2] else []), "--output_dir", str(root / _name(*cell))] for cell in CELLS}
+                            *(QLORA if cell[2] == "qlora" else LORA if cell[2] else []),
+                            "--output_dir", str(root / _name(*cell))] for cell in CELLS}
     learn = _preferences(root / "learn.jsonl", 400, 1)
     cells["learn"] = ["--method", "dpo", "--dataset", str(learn), "--per_device_train_batch_size", "8",
                       "--max_steps", "60", "--eval_fraction", "0.2", "--eval_strategy", "steps", "--eval_steps", "60",
@@ -112,7 +127,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def references(runs) -> dict[str, tuple[list[dict], dict]]:
     """Each (family, lora)'s one-process TRL run: its logs and weights."""
     return {(family, lora): _reference(runs[family], runs["data"], runs["root"] / _name("ref", family, lora), lora)
-            for family, lora in sorted({cell[1:] for cell in CELLS})}
+            for family, lora in sorted({cell[1:] for cell in CELLS}, key=str)}
 
 
 def _tied_once(weights: dict) -> dict:
@@ -138,7 +153,18 @@ def test_equals_one_process_trl(runs, references, strategy, family, lora) -> Non
         for key in KEYS:
             assert mine[key] == pytest.approx(theirs[key], abs=TOL), (step, key, mine[key], theirs[key])
     assert ours[-1]["rewards/margins"] != 0  # the policy moved away from the reference
-    assert max_weight_diff(_tied_once(_saved(out / "final", lora)), _tied_once(ref_weights)) < TOL
+    if lora == "qlora":
+        # TRL trains a quantized model's adapter in bf16 (QLoRA's recipe): each optimizer step rounds the weights
+        # to bf16, so a difference of 1e-7 in a gradient can move a weight by one bf16 step (at the tensor's scale:
+        # lora_B starts at 0 and holds values near it), once per optimizer step.
+        saved = _saved(out / "final", lora)
+        assert saved.keys() == ref_weights.keys()
+        for key, ref in ref_weights.items():
+            assert ref.dtype == saved[key].dtype == torch.bfloat16, key
+            diff, scale = (saved[key].float() - ref.float()).abs().max(), ref.float().abs().max()
+            assert diff <= STEPS * torch.finfo(torch.bfloat16).eps * scale, (key, diff, scale)
+    else:
+        assert max_weight_diff(_tied_once(_saved(out / "final", lora)), _tied_once(ref_weights)) < TOL
     if lora:
         assert not (out / "final" / "model.safetensors").exists()  # the adapter alone
 

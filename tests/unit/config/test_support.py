@@ -34,8 +34,10 @@ def test_dpo_column_says_what_check_method_does():
             assert dpo.startswith("refused ["), row
         elif strategy in support.DPO_LORA_REFUSED:
             assert dpo.startswith("full; LoRA refused ["), row
-        else:
+        elif strategy in support.QUANT_REFUSED:
             assert dpo == "full, LoRA", row
+        else:  # QLoRA where a quantized base trains and DPO's LoRA does (tests/integration/test_dpo.py: ddp)
+            assert dpo == "full, LoRA, QLoRA", row
 
 
 @pytest.mark.parametrize("strategy", support.STRATEGIES)
