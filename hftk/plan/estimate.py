@@ -143,7 +143,7 @@ def activation_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     (two, plus their 16-bit cast under mixed precision) or a block's backward (recomputed whole under
     checkpointing; with eager attention plus the gradient of its probabilities). Within 10% of the
     peak RSS of real CPU runs at 1024 tokens (``tests/integration/test_activations.py``)."""
-    b, s = inputs.micro_batch, inputs.seq_len
+    b, s = inputs.micro_batch * (2 if inputs.pairs else 1), inputs.seq_len
     half = inputs.mixed_precision != "no" or inputs.dtype != "float32"
     trace = shape.saved[trace_key(half, inputs.attention)]
     kept = trace.checkpointed.at(s) if inputs.gradient_checkpointing else trace.total.at(s)
@@ -155,7 +155,24 @@ def activation_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
 
 
 def estimate(strategy: str, shape: ModelShape, inputs: PlanInputs) -> StrategyPlan:
-    """Per-rank bytes of ``strategy`` (one of :data:`PLAN_STRATEGIES`) at its optimizer step.
+    """Per-rank bytes of ``strategy`` (one of :data:`PLAN_STRATEGIES`) at its optimizer step: the policy's,
+    and DPO's reference model beside it."""
+    return dataclasses.replace(policy_estimate(strategy, shape, inputs), reference=reference_bytes(strategy, shape, inputs))
+
+
+def reference_bytes(strategy: str, shape: ModelShape, inputs: PlanInputs) -> int:
+    """DPO's reference as hftk / TRL hold it (engine/preference.py): a whole copy in the loaded dtype under ddp;
+    sharded like the policy under fsdp (FSDP2, loaded dtype); under ZeRO-1/2 a whole copy that TRL's DeepSpeed
+    inference engine casts to the run's 16-bit type, under ZeRO-3 partitioned likewise. No reference: 0."""
+    if not inputs.reference:
+        return 0
+    p, n, w = shape.params, inputs.world_size, DTYPE_BYTES[inputs.dtype]
+    d = 2 if inputs.mixed_precision != "no" else w
+    return {"ddp": w * p, "fsdp": _ceil(w * p, n), "zero1": d * p, "zero2": d * p}.get(strategy, d * _ceil(p, n))
+
+
+def policy_estimate(strategy: str, shape: ModelShape, inputs: PlanInputs) -> StrategyPlan:
+    """Per-rank bytes of the trained model under ``strategy`` at its optimizer step.
 
     ``params`` / ``grads`` / ``optimizer`` are what a rank holds while its optimizer steps (what
     :mod:`hftk.bench.memory_worker` counts); ``transient`` is what it holds on top at its worst
@@ -261,7 +278,7 @@ def device_memory_bytes(cfg: Any) -> tuple[int, str]:
 def inputs_from_config(cfg: Any, world_size: int, budget: int) -> PlanInputs:
     t = cfg.training
     on_gpu = torch.cuda.is_available() and not t.get("use_cpu")
-    return PlanInputs(
+    fields: dict[str, Any] = dict(
         world_size=world_size, device_memory_bytes=budget, seq_len=cfg.data.block_size,
         micro_batch=cfg.args.per_device_train_batch_size, dtype=cfg.model.model_dtype,
         mixed_precision="bf16" if t.get("bf16") else "fp16" if t.get("fp16") else "no",
@@ -270,6 +287,17 @@ def inputs_from_config(cfg: Any, world_size: int, budget: int) -> PlanInputs:
         **quantization_inputs(cfg.model.load_in_4bit, cfg.model.load_in_8bit, cfg.model.bnb_4bit_use_double_quant,
                               str(cfg.args.optim)),
     )
+    return PlanInputs(**{**fields, **preference_inputs(cfg)})
+
+
+def preference_inputs(cfg: Any) -> dict[str, Any]:
+    """DPO's PlanInputs fields: pairs per micro-batch, sequences of max_length, and whether a reference model is
+    held (not under LoRA, whose reference is the base with the adapter off, nor with precomputed log-probs)."""
+    p = cfg.preference
+    if p.method != "dpo":
+        return {}
+    held = not cfg.model.lora_r and (not p.precompute_ref_log_probs or p.ref_model_name_or_path is not None)
+    return {"pairs": True, "reference": held, "seq_len": p.max_length or cfg.data.block_size}
 
 
 def quantization_inputs(load_in_4bit: bool, load_in_8bit: bool, double_quant: bool, optim: str) -> dict[str, Any]:
@@ -378,6 +406,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "this degree (strategy cp, with --tp_size when given; FSDP2 over the other ranks)")
     p.add_argument("--device", choices=["gpu", "cpu"], default=None,
                    help="what a rank's memory is (default: gpu when one is present, else cpu)")
+    p.add_argument("--method", choices=["sft", "dpo"], default="sft", help="training.method: dpo runs chosen and "
+                   "rejected through one forward (2 x --micro_batch sequences) beside a frozen reference model")
+    p.add_argument("--precompute_ref_log_probs", action="store_true", help="DPO: the reference's log-probs computed "
+                   "before training, so no reference model is held (with --lora_r none is either)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -414,7 +446,9 @@ def plan_command(argv: list[str]) -> int:
     inputs = PlanInputs(world_size=args.world_size, device_memory_bytes=int(args.device_memory * GIB),
                         seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype,
                         mixed_precision=args.mixed_precision, gradient_checkpointing=args.gradient_checkpointing,
-                        attention=args.attn_implementation, device=device, **quant)
+                        attention=args.attn_implementation, device=device, pairs=args.method == "dpo",
+                        reference=args.method == "dpo" and not args.lora_r and not args.precompute_ref_log_probs,
+                        **quant)
     shape = model_shape(model_config, args.lora_r, args.lora_target_modules)
     plans = plan(shape, inputs, QUANT_STRATEGIES if inputs.quant_bits else PLAN_STRATEGIES)
     chosen = pick(plans)
@@ -435,10 +469,11 @@ def format_table(shape: ModelShape, inputs: PlanInputs, plans: list[StrategyPlan
             f"micro-batch {inputs.micro_batch} x {inputs.seq_len} tokens, {inputs.dtype}"
             f"{'' if inputs.mixed_precision == 'no' else ' + ' + inputs.mixed_precision}"
             f"{f', {inputs.quant_bits}-bit base' if inputs.quant_bits else ''}"
-            f"{', 8-bit optimizer' if inputs.optim_bits == 8 else ''}")
-    cols = ["strategy", "params", "grads", "optimizer", "model state", "offloaded", "transient", "activations",
-            "runtime", "peak", "fits"]
-    rows = [[p.strategy, *(_size(v) for v in (p.params, p.grads, p.optimizer, p.model_state, p.offloaded,
+            f"{', 8-bit optimizer' if inputs.optim_bits == 8 else ''}"
+            f"{(', DPO pairs, reference model ' + ('held' if inputs.reference else 'not held')) if inputs.pairs else ''}")
+    cols = ["strategy", "params", "grads", "optimizer", "model state", "offloaded", "reference", "transient",
+            "activations", "runtime", "peak", "fits"]
+    rows = [[p.strategy, *(_size(v) for v in (p.params, p.grads, p.optimizer, p.model_state, p.offloaded, p.reference,
                                               p.transient, p.activations, p.runtime, p.device_total)),
              "yes" if p.fits else "no"] for p in plans]
     widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]

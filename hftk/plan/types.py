@@ -63,6 +63,8 @@ class PlanInputs:
     quant_bits: int = 0  # 4 / 8: the base loaded through bitsandbytes (QLoRA); 0: not quantized
     double_quant: bool = True  # 4-bit: bnb_4bit_use_double_quant
     optim_bits: int = 32  # 8: a bitsandbytes 8-bit optimizer (training.optim adamw_bnb_8bit, ...)
+    pairs: bool = False  # DPO: a micro-batch is pairs, chosen and rejected through one forward (2 x micro_batch rows)
+    reference: bool = False  # DPO: a frozen reference model beside the policy (none under LoRA or precomputed log-probs)
 
 
 @dataclass
@@ -78,6 +80,7 @@ class StrategyPlan:
     runtime: int
     offloaded: int  # model state held in host memory instead of the device
     fits: bool = False
+    reference: int = 0  # DPO's frozen reference model, as this strategy holds it (no gradients, no optimizer)
 
     @property
     def model_state(self) -> int:
@@ -86,7 +89,7 @@ class StrategyPlan:
     @property
     def device_total(self) -> int:
         """Predicted peak on one device (on CPU: the process's peak RSS)."""
-        return self.model_state - self.offloaded + self.transient + self.activations + self.runtime
+        return self.model_state - self.offloaded + self.reference + self.transient + self.activations + self.runtime
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "model_state": self.model_state, "device_total": self.device_total}

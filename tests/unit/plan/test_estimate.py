@@ -223,3 +223,65 @@ def test_hftk_plan_shows_tp_sp_and_cp_rows(capsys):
         plan_command([*base, "--tp_size", "3"])
     with pytest.raises(HftkError, match="--cp_size"):
         plan_command([*base, "--cp_size", "2", "--tp_size", "4"])
+
+
+def test_dpo_counts_the_reference_as_each_strategy_holds_it():
+    """The reference: a whole copy under ddp (loaded dtype), sharded with the policy under fsdp, a whole 16-bit
+    copy under ZeRO-1/2 (TRL's DeepSpeed inference engine casts it), partitioned in 16 bits under ZeRO-3; pairs
+    double the sequences a micro-batch runs."""
+    shape = model_shape(builtin_model_config("builtin:gpt2-90m"))
+    p = shape.params
+    sft = {x.strategy: x for x in plan(shape, PlanInputs(world_size=2, device_memory_bytes=GIB, mixed_precision="bf16"))}
+    dpo = {x.strategy: x for x in plan(shape, PlanInputs(world_size=2, device_memory_bytes=GIB, mixed_precision="bf16",
+                                                         pairs=True, reference=True))}
+    expected = {"ddp": 4 * p, "fsdp": -(-4 * p // 2), "zero1": 2 * p, "zero2": 2 * p, "zero3": 2 * -(-p // 2),
+                "zero3_offload": 2 * -(-p // 2)}
+    for strategy in PLAN_STRATEGIES:
+        assert sft[strategy].reference == 0
+        assert dpo[strategy].reference == expected[strategy], strategy
+        assert dpo[strategy].model_state == sft[strategy].model_state  # the reference has no gradients, no optimizer
+        assert dpo[strategy].activations == 2 * sft[strategy].activations  # chosen and rejected: 2 x micro_batch
+        assert dpo[strategy].device_total == (sft[strategy].device_total + dpo[strategy].reference
+                                              + sft[strategy].activations)
+
+
+@pytest.mark.parametrize("argv, held", [((), True), (("--lora_r", "8"), False), (("--precompute_ref_log_probs",), False),
+                                        (("--precompute_ref_log_probs", "--ref_model_name_or_path", "builtin:gpt2-90m"),
+                                         True)])
+def test_dpo_holds_a_reference_unless_lora_or_precomputed_log_probs(argv, held):
+    """As engine/preference.py loads it: LoRA's reference is the base with the adapter off; precomputed log-probs
+    leave TRL none, unless a separate reference model is named (hftk loads it and TRL keeps it)."""
+    from hftk.plan.estimate import inputs_from_config
+
+    inputs = inputs_from_config(_cfg("--method", "dpo", "--max_length", "96", *argv), 2, GIB)
+    assert (inputs.pairs, inputs.reference, inputs.seq_len) == (True, held, 96)
+    assert not inputs_from_config(_cfg(*argv), 2, GIB).pairs
+
+
+def test_auto_for_dpo_shards_where_the_reference_no_longer_fits_beside_the_policy(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    config = builtin_model_config("builtin:gpt2-90m")
+    shape = model_shape(config)
+    ddp = plan(shape, PlanInputs(world_size=2, device_memory_bytes=GIB, seq_len=64, micro_batch=2, device="cpu"),
+               ("ddp",))[0]
+    budget_gb = ddp.device_total / (1 - HEADROOM) / GIB * 1.01  # supervised fine-tuning fits ddp
+    sft = _cfg("--strategy", "auto", "--device_memory_gb", str(budget_gb))
+    assert resolve_auto(sft, config, 2) == "ddp"
+    dpo = _cfg("--strategy", "auto", "--device_memory_gb", str(budget_gb), "--method", "dpo")
+    assert resolve_auto(dpo, config, 2) != "ddp"
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("hftk: strategy auto -> ") and "ddp" in line.split("predicted peaks: ")[1]
+    lora = _cfg("--strategy", "auto", "--device_memory_gb", str(budget_gb), "--method", "dpo", "--lora_r", "8")
+    assert resolve_auto(lora, config, 2) == "ddp"  # no second model under LoRA
+
+
+def test_plan_command_counts_the_dpo_reference(capsys):
+    assert _plan_cli("--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "4", "--method", "dpo",
+                     "--json") == 0
+    held = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert held["inputs"]["pairs"] and held["inputs"]["reference"]
+    assert all(p["reference"] > 0 for p in held["plans"] if p["strategy"] in PLAN_STRATEGIES)
+    assert _plan_cli("--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "4", "--method", "dpo",
+                     "--precompute_ref_log_probs", "--json") == 0
+    assert all(p["reference"] == 0 for p in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["plans"])
