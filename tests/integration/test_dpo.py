@@ -2,7 +2,8 @@
 from configs), fsdp and ZeRO-1/2/3/3-offload (GPT-2), LoRA under ddp and ZeRO-2 and QLoRA (4-bit NF4) under ddp
 give the same per-step loss, rewards/chosen, rewards/rejected and rewards/margins (fp32, 1e-5) and the same final
 weights (or adapter; QLoRA's, which TRL keeps in bf16, within one bf16 step); a short run on a learnable
-preference set lifts held-out rewards/accuracies above chance. The cells run on shared warm ranks
+preference set lifts held-out rewards/accuracies above chance; a run resumed from checkpoint-3 (ddp, ZeRO-3)
+continues exactly. The cells run on shared warm ranks
 (``finetune_cells``); the references (one per family and adapter) run in this process."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ STEPS, BATCH = 4, 8
 CELLS = [("ddp", "gpt2", False), ("ddp", "llama", False), ("ddp", "qwen2", False), ("fsdp", "gpt2", False),
          ("zero1", "gpt2", False), ("zero2", "gpt2", False), ("zero3", "gpt2", False), ("zero3_offload", "gpt2", False),
          ("ddp", "gpt2", True), ("zero2", "gpt2", True), ("ddp", "gpt2", "qlora")]
+RESUMED = ("ddp", "zero3")  # exact resume: the Trainer's checkpoint, and DeepSpeed's with the reference partitioned
 LORA = ["--lora_r", "8"]  # hftk's defaults otherwise: alpha 16, dropout 0, GPT-2's c_attn / c_proj / c_fc
 QLORA = [*LORA, "--load_in_4bit"]  # hftk's defaults otherwise: NF4, double quantization, fp32 compute
 # How each strategy holds the reference (checked by hftk before training): sharded wherever the policy is.
@@ -119,7 +121,16 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     cells["learn"] = ["--method", "dpo", "--dataset", str(learn), "--per_device_train_batch_size", "8",
                       "--max_steps", "60", "--eval_fraction", "0.2", "--eval_strategy", "steps", "--eval_steps", "60",
                       "--output_dir", str(root / "learn")]
-    outputs = finetune_cells(2, cells, root, timeout=900)
+    options = {}
+    for strategy in RESUMED:  # 6 steps saving at 3, then a new folder holding only checkpoint-3 resumed
+        args = [*common, "--strategy", strategy, "--model_name_or_path", str(models["gpt2"]), "--max_steps", "6",
+                "--save_strategy", "steps", "--save_steps", "3"]
+        cells[f"{strategy}_full"] = [*args, "--output_dir", str(root / f"{strategy}_full")]
+        cells[f"{strategy}_resumed"] = [*args, "--output_dir", str(root / f"{strategy}_resumed"),
+                                        "--resume_from_checkpoint", "latest"]
+        options[f"{strategy}_resumed"] = {"copy": [root / f"{strategy}_full" / "checkpoint-3",
+                                                   root / f"{strategy}_resumed" / "checkpoint-3"]}
+    outputs = finetune_cells(2, cells, root, timeout=900, options=options)
     return {"root": root, "data": data, "outputs": outputs, **models}
 
 
@@ -167,6 +178,21 @@ def test_equals_one_process_trl(runs, references, strategy, family, lora) -> Non
         assert max_weight_diff(_tied_once(_saved(out / "final", lora)), _tied_once(ref_weights)) < TOL
     if lora:
         assert not (out / "final" / "model.safetensors").exists()  # the adapter alone
+
+
+@pytest.mark.parametrize("strategy", RESUMED)
+def test_resume_from_a_checkpoint_continues_exactly(runs, strategy) -> None:
+    """The reference is not in a checkpoint (frozen: loaded again from the starting model); the policy, optimizer,
+    scheduler, data order and generators are, so steps 4-6 and the final weights equal the uninterrupted run's."""
+    full, resumed = runs["root"] / f"{strategy}_full", runs["root"] / f"{strategy}_resumed"
+    assert "resuming from" in runs["outputs"][f"{strategy}_resumed"]
+    theirs = {row["step"]: row for row in metrics(full) if "rewards/chosen" in row}
+    ours = {row["step"]: row for row in metrics(resumed) if "rewards/chosen" in row}
+    assert sorted(ours) == [4, 5, 6] and sorted(theirs) == list(range(1, 7))
+    for step in ours:
+        for key in KEYS:
+            assert ours[step][key] == pytest.approx(theirs[step][key], abs=1e-6), (step, key)
+    assert max_weight_diff(_tied_once(load_weights(resumed / "final")), _tied_once(load_weights(full / "final"))) < 1e-6
 
 
 def test_held_out_preference_accuracy_rises_above_chance(runs) -> None:
