@@ -369,6 +369,7 @@ def check_model(cfg: RunConfig, model_config: Any) -> None:
     if limit is not None and (cfg.preference.max_length or 0) > limit:
         raise HftkError("training.max_length", f"{cfg.preference.max_length} exceeds the model's context length "
                         f"{limit}.", f"set training.max_length to {limit} or less.")
+    check_reference(cfg, model_config)
     check_lora(cfg, model_config)
     hidden = getattr(model_config, "hidden_size", None)
     if cfg.model.lora_r and hidden and cfg.model.lora_r > hidden:
@@ -383,6 +384,27 @@ def check_model(cfg: RunConfig, model_config: Any) -> None:
             raise HftkError("model.tokenizer_name_or_path", f"cannot load a tokenizer from "
                             f"'{cfg.model.tokenizer_name_or_path}': {str(exc).splitlines()[0][:300]}",
                             "pass a folder written by save_pretrained or a Hub id, or leave it unset.") from None
+
+
+def check_reference(cfg: RunConfig, model_config: Any) -> None:
+    """DPO's separate reference model (training.ref_model_name_or_path) must exist and score the policy's token ids:
+    a vocabulary of another size would read other tokens' log-probs (or index past its embeddings)."""
+    import dataclasses
+
+    from hftk.models.loading import load_model_config
+
+    name = cfg.preference.ref_model_name_or_path
+    if cfg.preference.method != "dpo" or not name:
+        return
+    try:
+        reference = load_model_config(dataclasses.replace(cfg.model, model_name_or_path=name))
+    except HftkError as exc:
+        raise HftkError("training.ref_model_name_or_path", exc.problem, exc.fix) from None
+    ours, theirs = getattr(model_config, "vocab_size", None), getattr(reference, "vocab_size", None)
+    if ours != theirs:
+        raise HftkError("training.ref_model_name_or_path", f"'{name}' has a vocabulary of {theirs} tokens, the model "
+                        f"trained ({cfg.model.model_name_or_path}) {ours}: it cannot score the same token ids.",
+                        "pass a reference that shares the model's tokenizer (e.g. its base or an earlier fine-tune).")
 
 
 def check_data(cfg: RunConfig, data_format: str) -> None:

@@ -58,3 +58,40 @@ def test_dpo_with_lora_is_refused_where_the_adapter_is_sharded() -> None:
         else:
             support.check_method(strategy, "dpo", 8)
     assert set(support.DPO_LORA_REFUSED) == {"fsdp", "zero3", "zero3_offload"}
+
+
+def _dpo_main(tmp_path, *argv: str) -> int:
+    import json
+
+    from hftk.run.prepare import main
+    from tests.helpers import TINY_ARGS
+
+    data = tmp_path / "prefs.jsonl"
+    data.write_text(json.dumps({"prompt": "Say hi:", "chosen": " hi", "rejected": " no"}) + "\n")
+    return main([*TINY_ARGS, "--method", "dpo", "--dataset", str(data), "--output_dir", str(tmp_path / "out"), *argv])
+
+
+@pytest.mark.parametrize("reference, problem", [
+    ("other_vocab", "other_vocab' has a vocabulary of 1000 tokens, the model trained (builtin:gpt2-tiny) 2048"),
+    ("/nonexistent/reference", "/nonexistent/reference"),
+])
+def test_a_reference_that_cannot_score_the_policys_tokens_is_one_line_before_launch(tmp_path, capsys, reference,
+                                                                                   problem) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=1000, n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path / "other_vocab")
+    code = _dpo_main(tmp_path, "--ref_model_name_or_path", str(tmp_path / reference) if reference == "other_vocab"
+                     else reference)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("hftk: error: training.ref_model_name_or_path: ") and problem in err[0], err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_reference_with_the_policys_vocabulary_passes_the_check() -> None:
+    from hftk.models.loading import load_model_config
+    from hftk.run.validate import check_reference
+
+    cfg = load_config(["--method", "dpo", "--model_name_or_path", "builtin:gpt2-tiny",
+                       "--ref_model_name_or_path", "builtin:gpt2-tiny4"])
+    check_reference(cfg, load_model_config(cfg.model))
