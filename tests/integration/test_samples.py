@@ -1,5 +1,5 @@
 """Samples during training on 2 gloo ranks: at every evaluation the samples equal, token for token (greedy,
-fp32), what one process's plain ``model.generate`` makes on the checkpoint saved at that step, under ddp, zero2,
+fp32), what one process's plain ``model.generate`` makes on the checkpoint saved at that step, under ddp, zero1, zero2,
 zero3, zero3_offload, fsdp, LoRA (ddp, fsdp, zero3) and QLoRA (ddp) on the Trainer, tp, cp, pipeline, LoRA under
 pipeline and sp (weights consolidated on rank 0) on hftk's loop, and for held-out conversations' and preference
 pairs' (dpo) prompts (``--num_eval_samples``); under zero3 and fsdp a prompt that stops at EOS at once on one
@@ -41,7 +41,7 @@ RUNS = {"ddp": ["--report_to", "tensorboard"], "lora": [*LORA, "--report_to", "w
         "chat_tokens": ["--add_chat_tokens", "true"],  # the markers become tokens, <|im_end|> an EOS
         "qlora": [*LORA, "--load_in_4bit"], "lora_fsdp": [*LORA, "--strategy", "fsdp", "--fsdp_state_dict", "full"],
         "lora_zero3": [*LORA, "--strategy", "zero3"], "zero3": ["--strategy", "zero3"], "fsdp": ["--strategy", "fsdp"],
-        "zero2": ["--strategy", "zero2"], "zero3_offload": ["--strategy", "zero3_offload"],
+        "zero1": ["--strategy", "zero1"], "zero2": ["--strategy", "zero2"], "zero3_offload": ["--strategy", "zero3_offload"],
         # hftk's own loop: generated on the weights consolidated on rank 0
         "tp": ["--strategy", "tp", "--tp_size", "2"], "cp": ["--strategy", "cp", "--cp_size", "2"],
         "pipeline": PIPELINE, "lora_pipeline": [*PIPELINE, *LORA],
