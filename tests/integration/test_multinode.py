@@ -4,6 +4,7 @@ equal a single-node run with the same global batch."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (FINETUNE, TINY_ARGS, finetune, free_port, load_weights, losses, max_weight_diff, metrics,
-                           require_ranks, torchrun_command)
+                           require_ranks, torchrun, torchrun_command)
 from tests.netns import run_on_two_hosts, two_hosts
 
 pytestmark = pytest.mark.slow
@@ -33,19 +34,56 @@ def run_two_nodes(out, nproc: int, args: list[str], timeout: float = 420) -> Non
 
 LAYOUTS = {"2x1": 1, "2x2": 2}  # nodes x processes per node -> processes per node
 STRATEGIES = {"ddp": [], "zero3": ["--strategy", "zero3"], "fsdp_hybrid": ["--strategy", "fsdp", "--fsdp_hybrid", "true"]}
+GENERATED = ("ddp", "zero3")  # their 2x1 runs: `hftk configs --nodes 2` YAMLs under `accelerate launch`
+
+
+def accelerate_two_hosts(out: Path, strategy: str, tmp: Path) -> tuple[list[int], list[str]]:
+    """`hftk configs --nodes 2` YAMLs, launched with `accelerate launch --machine_rank R` on each host (one
+    process each): exit codes and outputs."""
+    with two_hosts() as (a, b):
+        main = a.name if a.netns else a.address
+        configs = tmp / f"configs-{strategy}"
+        made = subprocess.run([sys.executable, "-m", "hftk.cli", "configs", "--out", str(configs), "--nodes", "2",
+                               "--procs_per_node", "1", "--main_process_ip", main,
+                               "--main_process_port", str(free_port())], capture_output=True, text=True, timeout=120)
+        assert made.returncode == 0, made.stderr
+        args = [*TINY_ARGS, "--max_steps", str(STEPS), "--output_dir", str(out), "--check_sync_steps", "1",
+                "--per_device_train_batch_size", str(GLOBAL_BATCH // 2)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+               "PET_RDZV_ID": f"hftk-{out.name}"}
+        accelerate = str(Path(sys.executable).parent / "accelerate")
+        procs = [subprocess.Popen(host.wrap([accelerate, "launch", "--config_file", str(configs / f"{strategy}.yaml"),
+                                             "--machine_rank", str(rank), str(FINETUNE), *args]),
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True)
+                 for rank, host in enumerate((a, b))]
+        try:
+            outputs = [p.communicate(timeout=420)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+    return [p.returncode for p in procs], outputs
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A single-node reference, then every strategy x layout on two hosts."""
+    """A single-node reference, then every strategy x layout on two hosts: ddp and zero3 at 2x1 through the
+    generated multi-node configs and `accelerate launch`, the rest through torchrun."""
     root = tmp_path_factory.mktemp("multinode")
     finetune(1, ["--max_steps", str(STEPS), "--output_dir", str(root / "single"),
                  "--per_device_train_batch_size", str(GLOBAL_BATCH)])
+    launched = {}
     for strategy, args in STRATEGIES.items():
         for layout, nproc in LAYOUTS.items():
             if strategy == "fsdp_hybrid" and nproc == 1:
                 continue  # one process per node leaves nothing to shard inside a node
-            run_two_nodes(root / f"{strategy}-{layout}", nproc, args)
+            if layout == "2x1" and strategy in GENERATED:
+                launched[strategy] = accelerate_two_hosts(root / f"{strategy}-{layout}", strategy, root)
+                assert launched[strategy][0] == [0, 0], "".join(o[-3000:] for o in launched[strategy][1])
+            else:
+                run_two_nodes(root / f"{strategy}-{layout}", nproc, args)
+    (root / "launched.json").write_text(json.dumps(launched))
     return root
 
 
@@ -139,8 +177,9 @@ def _metrics_or_empty(out: Path) -> list[dict]:
 
 
 def test_killed_node_workers_restart_from_latest_checkpoint(tmp_path):
-    run_two_nodes_plain = tmp_path / "uninterrupted"
-    run_on_two_hosts(FINETUNE, [*FAULT_ARGS, "--output_dir", str(run_two_nodes_plain)], 1, 420)
+    uninterrupted = tmp_path / "uninterrupted"  # the same 2 ranks on one host (2 nodes equal one: the tests above)
+    result = torchrun(2, FINETUNE, [*FAULT_ARGS, "--output_dir", str(uninterrupted)], timeout=420)
+    assert result.returncode == 0, result.output[-5000:]
     codes, outputs, _ = _run_with_node_fault(tmp_path / "faulted", kill="workers")
     assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     resumed = re.findall(r"resuming from \S*checkpoint-(\d+)", "".join(outputs))
@@ -148,7 +187,7 @@ def test_killed_node_workers_restart_from_latest_checkpoint(tmp_path):
     # the surviving node re-forms the group as a membership change (its restart count stays 0):
     # it must still know this is the same job and resume, not refuse the job's own checkpoints
     assert "already holds checkpoints" not in "".join(outputs)
-    assert max_weight_diff(load_weights(run_two_nodes_plain / "final"), load_weights(tmp_path / "faulted" / "final")) < 1e-6
+    assert max_weight_diff(load_weights(uninterrupted / "final"), load_weights(tmp_path / "faulted" / "final")) < 1e-6
 
 
 def test_lost_node_ends_in_a_clear_error_within_the_join_timeout(tmp_path):
@@ -159,36 +198,15 @@ def test_lost_node_ends_in_a_clear_error_within_the_join_timeout(tmp_path):
     assert "RendezvousTimeoutError" in survivor or "Connection closed by peer" in survivor, survivor[-3000:]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_generated_multinode_configs_launch_two_hosts(runs, strategy, tmp_path):
-    """`hftk configs --nodes 2` YAMLs, launched with `accelerate launch --machine_rank R` on each host."""
-    out = tmp_path / "run"
-    with two_hosts() as (a, b):
-        main = a.name if a.netns else a.address
-        configs = tmp_path / "configs"
-        made = subprocess.run([sys.executable, "-m", "hftk.cli", "configs", "--out", str(configs), "--nodes", "2",
-                               "--procs_per_node", "1", "--main_process_ip", main,
-                               "--main_process_port", str(free_port())], capture_output=True, text=True, timeout=120)
-        assert made.returncode == 0, made.stderr
-        args = [*TINY_ARGS, "--max_steps", str(STEPS), "--output_dir", str(out),
-                "--per_device_train_batch_size", str(GLOBAL_BATCH // 2)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-               "PET_RDZV_ID": f"hftk-{tmp_path.name}"}
-        accelerate = str(Path(sys.executable).parent / "accelerate")
-        procs = [subprocess.Popen(host.wrap([accelerate, "launch", "--config_file", str(configs / f"{strategy}.yaml"),
-                                             "--machine_rank", str(rank), str(FINETUNE), *args]),
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  start_new_session=True)
-                 for rank, host in enumerate((a, b))]
-        try:
-            outputs = [p.communicate(timeout=420)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+@pytest.mark.parametrize("strategy", GENERATED)
+def test_generated_multinode_configs_launch_two_hosts(runs, strategy):
+    """`hftk configs --nodes 2` YAMLs, launched with `accelerate launch --machine_rank R` on each host (the
+    fixture's 2x1 runs of these strategies): both hosts finish, the strategy is the YAML's, the losses are
+    the single node's."""
+    codes, outputs = json.loads((runs / "launched.json").read_text())[strategy]
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert f"strategy {strategy}" in outputs[0] or strategy == "ddp"
-    ref, got = losses(runs / "single"), losses(out)
+    ref, got = losses(runs / "single"), losses(runs / f"{strategy}-2x1")
     assert sorted(got) == sorted(ref)
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=1e-5), (strategy, step)
