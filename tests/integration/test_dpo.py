@@ -2,7 +2,8 @@
 from configs), fsdp and ZeRO-1/2/3/3-offload (GPT-2), LoRA under ddp and ZeRO-2 and QLoRA (4-bit NF4) under ddp
 give the same per-step loss, rewards/chosen, rewards/rejected and rewards/margins (fp32, 1e-5) and the same final
 weights (or adapter; QLoRA's, which TRL keeps in bf16, within one bf16 step); a short run on a learnable
-preference set lifts held-out rewards/accuracies above chance; a run resumed from checkpoint-3 (ddp, ZeRO-3)
+preference set lifts held-out rewards/accuracies above chance; conversational pairs (message lists through the
+run's chat template) equal TRL given that template; a run resumed from checkpoint-3 (ddp, ZeRO-3)
 continues exactly. The cells run on shared warm ranks
 (``finetune_cells``); the references (one per family and adapter) run in this process."""
 
@@ -28,6 +29,10 @@ STEPS, BATCH = 4, 8
 CELLS = [("ddp", "gpt2", False), ("ddp", "llama", False), ("ddp", "qwen2", False), ("fsdp", "gpt2", False),
          ("zero1", "gpt2", False), ("zero2", "gpt2", False), ("zero3", "gpt2", False), ("zero3_offload", "gpt2", False),
          ("ddp", "gpt2", True), ("zero2", "gpt2", True), ("ddp", "gpt2", "qlora")]
+# ChatML as transformers' and TRL's docs write it: the reference's template, owing nothing to hftk's copy.
+CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+          "{%- endif %}")
 RESUMED = ("ddp", "zero3")  # exact resume: the Trainer's checkpoint, and DeepSpeed's with the reference partitioned
 LORA = ["--lora_r", "8"]  # hftk's defaults otherwise: alpha 16, dropout 0, GPT-2's c_attn / c_proj / c_fc
 QLORA = [*LORA, "--load_in_4bit"]  # hftk's defaults otherwise: NF4, double quantization, fp32 compute
@@ -55,11 +60,23 @@ def _preferences(path: Path, rows: int, seed: int) -> Path:
     return path
 
 
+def _conversations(path: Path, rows: int, seed: int) -> Path:
+    """The same rule as message lists (TRL's conversational format: a user turn, an assistant turn each side)."""
+    with path.open("w") as f:
+        for line in _preferences(path.with_suffix(".standard.jsonl"), rows, seed).read_text().splitlines():
+            row = json.loads(line)
+            f.write(json.dumps({"prompt": [{"role": "user", "content": row["prompt"]}],
+                                "chosen": [{"role": "assistant", "content": row["chosen"].strip()}],
+                                "rejected": [{"role": "assistant", "content": row["rejected"].strip()}]}) + "\n")
+    return path
+
+
 def _name(strategy: str, family: str, lora: bool | str) -> str:
     return f"{strategy}_{family}" + ("_qlora" if lora == "qlora" else "_lora" if lora else "")
 
 
-def _reference(model_dir: Path, data: Path, out: Path, lora: bool | str) -> tuple[list[dict], dict]:
+def _reference(model_dir: Path, data: Path, out: Path, lora: bool | str, chat_template: str | None = None
+               ) -> tuple[list[dict], dict]:
     """TRL's own DPOTrainer, one process, batch 8, fp32 (bf16 off: DPOConfig's default is on): its per-step
     logs and final weights (with ``lora``: PEFT's LoRA of the same config and seed; TRL's reference is then the
     base with the adapter disabled; the adapter's weights; ``"qlora"``: the base loaded in 4 bits by
@@ -91,8 +108,10 @@ def _reference(model_dir: Path, data: Path, out: Path, lora: bool | str) -> tupl
                      save_strategy="no", eval_strategy="no", use_cpu=True, beta=0.1, max_length=64,
                      max_grad_norm=1.0, disable_tqdm=True, adam_epsilon=1e-4, bf16=False)
     train = datasets.load_dataset("json", data_files={"train": str(data)})["train"]
-    trainer = DPOTrainer(model=model, args=args, train_dataset=train,
-                         processing_class=AutoTokenizer.from_pretrained(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    trainer = DPOTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer)
     trainer.train()
     trainer.save_model(str(out / "final"))
     logs = [row for row in trainer.state.log_history if "rewards/chosen" in row]
@@ -117,6 +136,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     cells = {_name(*cell): [*common, "--strategy", cell[0], "--model_name_or_path", str(models[cell[1]]),
                             *(QLORA if cell[2] == "qlora" else LORA if cell[2] else []),
                             "--output_dir", str(root / _name(*cell))] for cell in CELLS}
+    conversations = _conversations(root / "conversations.jsonl", 64, 0)
+    cells["conversations"] = [*[str(conversations) if a == str(data) else a for a in common],
+                              "--model_name_or_path", str(models["gpt2"]),
+                              "--chat_template", "chatml", "--no_add_chat_tokens",
+                              "--output_dir", str(root / "conversations")]
     learn = _preferences(root / "learn.jsonl", 400, 1)
     cells["learn"] = ["--method", "dpo", "--dataset", str(learn), "--per_device_train_batch_size", "8",
                       "--max_steps", "60", "--eval_fraction", "0.2", "--eval_strategy", "steps", "--eval_steps", "60",
@@ -131,7 +155,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         options[f"{strategy}_resumed"] = {"copy": [root / f"{strategy}_full" / "checkpoint-3",
                                                    root / f"{strategy}_resumed" / "checkpoint-3"]}
     outputs = finetune_cells(2, cells, root, timeout=900, options=options)
-    return {"root": root, "data": data, "outputs": outputs, **models}
+    return {"root": root, "data": data, "conversations": conversations, "outputs": outputs, **models}
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +217,23 @@ def test_resume_from_a_checkpoint_continues_exactly(runs, strategy) -> None:
         for key in KEYS:
             assert ours[step][key] == pytest.approx(theirs[step][key], abs=1e-6), (step, key)
     assert max_weight_diff(_tied_once(load_weights(resumed / "final")), _tied_once(load_weights(full / "final"))) < 1e-6
+
+
+def test_conversational_pairs_equal_one_process_trl_with_the_same_template(runs) -> None:
+    """Message-list rows through the run's chat template (chatml, markers left as text): the same per-step figures
+    and weights as TRL given that template; final/ carries it."""
+    logs, weights = _reference(runs["gpt2"], runs["conversations"], runs["root"] / "ref_conversations", False,
+                               chat_template=CHATML)
+    out = runs["root"] / "conversations"
+    ours = [row for row in metrics(out) if "rewards/chosen" in row]
+    assert [row["step"] for row in ours] == list(range(1, STEPS + 1))
+    for step, (mine, theirs) in enumerate(zip(ours, logs, strict=True), start=1):
+        for key in KEYS:
+            assert mine[key] == pytest.approx(theirs[key], abs=TOL), (step, key, mine[key], theirs[key])
+    assert max_weight_diff(_tied_once(load_weights(out / "final")), _tied_once(weights)) < TOL
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(out / "final").chat_template.strip() == CHATML  # jinja drops a final newline
 
 
 def test_held_out_preference_accuracy_rises_above_chance(runs) -> None:
