@@ -435,3 +435,41 @@ def test_a_tokenisation_longer_than_ddp_timeout_does_not_time_out_the_waiting_ra
     assert result.returncode == 0, result.output[-6000:]
     assert result.stderr.count(f"{TIMEOUT_MARKER} 8.0 s") == 2, result.stderr[-3000:]  # the timeout was in force
     assert sorted(losses(tmp_path / "run")) == [1, 2] and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------ preemption of a DPO run
+
+
+def test_sigterm_during_dpo_saves_exits_75_and_the_resume_equals_the_uninterrupted_run(tmp_path):
+    """DPO under the Trainer's preemption path: SIGTERM as scancel sends it (steps slowed so it lands mid-run)
+    seals one checkpoint and exits 75 on both ranks; resuming it gives the uninterrupted run's losses, DPO
+    rewards and final weights (the reference is reloaded, not checkpointed)."""
+    words = "blue cat dog moon lamp rock".split()
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Repeat {w}:", "chosen": f" {w} {w}",
+                                        "rejected": f" {o} {o}"}) + "\n"
+                            for i, w in enumerate(words * 8) for o in [words[(i + 1) % len(words)]]))
+    args = [*TINY_ARGS, "--method", "dpo", "--dataset", str(data), "--max_steps", "8", "--eval_fraction", "0",
+            "--per_device_train_batch_size", "4", "--save_strategy", "no"]
+    reference = tmp_path / "uninterrupted"
+    done = torchrun(2, FINETUNE, [*args, "--output_dir", str(reference)], timeout=300)
+    assert done.returncode == 0, done.output[-5000:]
+    at, replay = fault_step("dpo_sigterm", 2, 5)
+    run = start(2, args, tmp_path / "run", script=WORKERS / "slow_eval.py",
+                env={"HFTK_TRAIN_SLEEP_S": "0.3", "HFTK_EXIT_DIR": str(tmp_path / "exit")})
+    wait_for_step(run, at, timeout=300)
+    stopped, _ = sigterm_as_scancel_does(run)
+    assert exit_codes(tmp_path / "exit") == {"rank-0": EXIT_PREEMPTED, "rank-1": EXIT_PREEMPTED}, \
+        f"{replay}\n{stopped.output[-5000:]}"
+    emergency = list_checkpoints(tmp_path / "run")
+    assert len(emergency) == 1 and is_complete(emergency[0]) and steps_of(emergency)[0] < 8, (emergency, replay)
+    resumed = torchrun(2, FINETUNE, [*args, "--resume_from_checkpoint", "latest", "--output_dir", str(tmp_path / "run")],
+                       timeout=300)
+    assert resumed.returncode == 0, resumed.output[-5000:]
+    ours = {m["step"]: m for m in metrics(tmp_path / "run") if "rewards/chosen" in m}
+    theirs = {m["step"]: m for m in metrics(reference) if "rewards/chosen" in m}
+    assert sorted(ours) == sorted(theirs) == list(range(1, 9)), replay
+    for step in theirs:
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert ours[step][key] == pytest.approx(theirs[step][key], abs=TOLERANCE), (step, key, replay)
+    assert max_weight_diff(load_weights(reference / "final"), load_weights(tmp_path / "run" / "final")) <= TOLERANCE
