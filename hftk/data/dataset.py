@@ -231,6 +231,11 @@ def load_sources(cfg: DataConfig, tokenizer_loader: Any) -> list[Source]:
                         else chat.require_template(tokenizer, f"{scfg.dataset} holds conversations"))
         raw, fmt = normalise(scfg, raw, fmt, template, field)
         sources.append(Source(cfg=scfg, raw=raw, fmt=fmt, weight=weight, field=field))
+    return with_default_weights(sources)
+
+
+def with_default_weights(sources: list[Source]) -> list[Source]:
+    """Where some datasets have a weight, the others weigh 1 (one weight alone mixes nothing)."""
     if any(s.weight is not None for s in sources) and len(sources) > 1:
         for s in sources:
             s.weight = 1.0 if s.weight is None else s.weight
@@ -450,15 +455,24 @@ def tokenize_sources(sources: list[Source], tokenizer: Any, seed: int) -> Tokeni
     if len(sources) == 1:
         s = sources[0]
         return tokenize_and_pack(s.cfg, s.raw, tokenizer, s.fmt, seed)
-    trains, evals = zip(*(_blocks(s.cfg, s.raw, tokenizer, s.fmt, seed) for s in sources))
+    train, eval_blocks = mix(sources, [_blocks(s.cfg, s.raw, tokenizer, s.fmt, seed) for s in sources], seed)
+    return tokenized(sources[0].cfg, train, eval_blocks, combined_format(sources))
+
+
+def mix(sources: list[Source], parts: list[tuple[Any, Any | None]], seed: int) -> tuple[Any, Any | None]:
+    """Each source's (train, held-out) ``parts`` as one: training rows interleaved by the sources' weights
+    (seeded; datasets' ``interleave_datasets``) when weights are given, else concatenated; held-out rows
+    concatenated (None when no source holds any)."""
+    import datasets
+
+    trains, evals = zip(*parts)
     if sources[0].weight is not None:
         total = sum(s.weight for s in sources)
         train = datasets.interleave_datasets(list(trains), probabilities=[s.weight / total for s in sources], seed=seed)
     else:
         train = datasets.concatenate_datasets(list(trains))
-    evals = [e for e in evals if e is not None]
-    eval_blocks = datasets.concatenate_datasets(evals) if evals else None
-    return tokenized(sources[0].cfg, train, eval_blocks, combined_format(sources))
+    held_out = [e for e in evals if e is not None]
+    return train, datasets.concatenate_datasets(held_out) if held_out else None
 
 
 def eval_line(cfg: DataConfig, blocks: int, batch_size: int, data_ranks: int) -> str:

@@ -46,21 +46,37 @@ def check_preference_rows(rows: Any, dataset: str, field: str = "data.dataset") 
 
 def load_preference_sources(cfg: Any) -> list[Any]:
     """Every dataset of the run through hftk's loader (``load_raw``), each split it reads checked as
-    preference rows. One dataset only: mixing preference sets is not built yet, and is refused."""
-    from hftk.data.dataset import Source, load_raw, source_configs
+    preference rows and cut to the pair's columns. Several datasets mix as for supervised fine-tuning
+    (:func:`preference_rows`) when they share one format and prompt layout: TRL reads one per dataset."""
+    from hftk.data.dataset import Source, load_raw, source_configs, with_default_weights
 
-    configs = source_configs(cfg)
-    if len(configs) > 1:
-        raise HftkError("data.datasets", "--method dpo reads one preference dataset; mixing several is not supported.",
-                        "merge them into one file first.")
     sources = []
-    for scfg, weight, field in configs:
+    for scfg, weight, field in source_configs(cfg):
         raw = load_raw(scfg)
         if scfg.train_split not in raw:
             raise HftkError("data.train_split", f"split '{scfg.train_split}' is not in {scfg.dataset}.",
                             "set data.train_split to an existing split.")
         splits = [s for s in (scfg.train_split, scfg.eval_split) if s]
         formats = {check_preference_rows(raw[split], f"{scfg.dataset} ({split})", field) for split in splits}
-        sources.append(Source(cfg=scfg, raw=raw, fmt="preference_" + "+".join(sorted(formats)), weight=weight,
-                              field=field))
-    return sources
+        pair = [c for c in ("prompt", "chosen", "rejected") if c in raw[scfg.train_split].column_names]
+        raw = raw.select_columns(pair)  # a dataset's other columns (ids, scores) would not concatenate
+        fmt = "preference_" + "+".join(sorted(formats)) + ("" if "prompt" in pair else "_implicit_prompt")
+        if sources and fmt != sources[0].fmt:
+            raise HftkError(field, f"{scfg.dataset} holds {_described(fmt)} pairs, {sources[0].cfg.dataset} "
+                            f"{_described(sources[0].fmt)} ones: TRL reads one format per dataset.",
+                            "convert them to one format (message lists or strings; with or without 'prompt').")
+        sources.append(Source(cfg=scfg, raw=raw, fmt=fmt, weight=weight, field=field))
+    return with_default_weights(sources)
+
+
+def _described(fmt: str) -> str:
+    return fmt.removeprefix("preference_").replace("_implicit_prompt", " implicit-prompt").replace("+", " and ")
+
+
+def preference_rows(sources: list[Any], seed: int) -> tuple[Any, Any | None]:
+    """(train, held-out) rows of the run: each dataset split as every dataset is
+    (:func:`hftk.data.dataset.split_rows`, as the samples' held-out prompts are drawn), then mixed as
+    supervised fine-tuning's blocks are (:func:`hftk.data.dataset.mix`)."""
+    from hftk.data.dataset import mix, split_rows
+
+    return mix(sources, [split_rows(s.cfg, s.raw, seed) for s in sources], seed)

@@ -10,7 +10,7 @@ from hftk.config import strategy_table
 from hftk.config.options import field_default
 from hftk.core import startup
 from hftk.core.errors import HftkError
-from hftk.data.dataset import split_rows
+from hftk.data.preference import preference_rows
 from hftk.engine import trainer as trainer_engine
 from hftk.engine.run_types import PreparedRun
 from hftk.launch.guard import check_world
@@ -88,13 +88,6 @@ def reference_held(trainer: Any, strategy_name: str) -> str:
     return "a whole copy on each rank"
 
 
-def preference_splits(prepared: PreparedRun, seed: int) -> tuple[Any, Any]:
-    """(train, eval) rows of the one preference dataset, split as every dataset is (and as the samples'
-    held-out prompts are drawn): :func:`hftk.data.dataset.split_rows`."""
-    source = prepared.sources[0]
-    return split_rows(source.cfg, source.raw, seed)
-
-
 def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     """A ready DPOTrainer: (trainer, strategy module, data with ``train`` / ``eval``)."""
     from trl import DPOConfig, DPOTrainer
@@ -109,7 +102,7 @@ def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     startup.mark("process_group")
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template, cfg.data.add_chat_tokens,
                                announce=args.process_index == 0)
-    train, held_out = preference_splits(prepared, args.seed)
+    train, held_out = preference_rows(prepared.sources, args.seed)
     startup.mark("data")
     shards = getattr(strategy, "SHARDS_PARAMETERS", False)
     base = load_model(cfg.model, shardable=shards)

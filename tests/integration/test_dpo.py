@@ -141,6 +141,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                               "--model_name_or_path", str(models["gpt2"]),
                               "--chat_template", "chatml", "--no_add_chat_tokens",
                               "--output_dir", str(root / "conversations")]
+    second = _preferences(root / "prefs_b.jsonl", 32, 2)
+    mixed = root / "mixed.yaml"
+    mixed.write_text(f"data:\n  datasets:\n    - path: {data}\n      weight: 2\n    - path: {second}\n")
+    cells["mixed"] = [*[a for a in common if a not in ("--dataset", str(data))], "--config", str(mixed),
+                      "--model_name_or_path", str(models["gpt2"]), "--output_dir", str(root / "mixed")]
     learn = _preferences(root / "learn.jsonl", 400, 1)
     cells["learn"] = ["--method", "dpo", "--dataset", str(learn), "--per_device_train_batch_size", "8",
                       "--max_steps", "60", "--eval_fraction", "0.2", "--eval_strategy", "steps", "--eval_steps", "60",
@@ -234,6 +239,16 @@ def test_conversational_pairs_equal_one_process_trl_with_the_same_template(runs)
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(out / "final").chat_template.strip() == CHATML  # jinja drops a final newline
+
+
+def test_several_preference_datasets_train_mixed_and_are_recorded(runs) -> None:
+    """Two preference files weighted 2:1 (data.datasets, as for supervised data; the mixing itself is checked
+    against datasets' interleave_datasets in tests/unit/data/test_preference.py): the run trains and its record
+    lists both with their weights."""
+    final = runs["root"] / "mixed" / "final"
+    assert [row["step"] for row in metrics(runs["root"] / "mixed") if "rewards/chosen" in row] == list(range(1, STEPS + 1))
+    recorded = json.loads((final / "hftk_run.json").read_text())["datasets"]
+    assert [(Path(d["path"]).name, d["weight"]) for d in recorded] == [("prefs.jsonl", 2.0), ("prefs_b.jsonl", None)]
 
 
 def test_held_out_preference_accuracy_rises_above_chance(runs) -> None:
