@@ -4,7 +4,7 @@ give the same per-step loss, rewards/chosen, rewards/rejected and rewards/margin
 weights (or adapter; QLoRA's, which TRL keeps in bf16, within one bf16 step); a short run on a learnable
 preference set lifts held-out rewards/accuracies above chance; conversational pairs (message lists through the
 run's chat template) equal TRL given that template; a run resumed from checkpoint-3 (ddp, ZeRO-3)
-continues exactly. The cells run on shared warm ranks
+continues exactly; two weighted preference files mix; --push_to_hub sends final/ and a card that says DPO. The cells run on shared warm ranks
 (``finetune_cells``); the references (one per family and adapter) run in this process."""
 
 from __future__ import annotations
@@ -249,6 +249,27 @@ def test_several_preference_datasets_train_mixed_and_are_recorded(runs) -> None:
     assert [row["step"] for row in metrics(runs["root"] / "mixed") if "rewards/chosen" in row] == list(range(1, STEPS + 1))
     recorded = json.loads((final / "hftk_run.json").read_text())["datasets"]
     assert [(Path(d["path"]).name, d["weight"]) for d in recorded] == [("prefs.jsonl", 2.0), ("prefs_b.jsonl", None)]
+
+
+def test_push_to_hub_sends_the_dpo_model_and_its_card(runs, tmp_path) -> None:
+    """--push_to_hub on a DPO run (the stand-in Hub of tests/faults.py, driven by the real huggingface_hub
+    client): final/'s weights, the run record and a model card that says DPO reach the repository."""
+    from safetensors.torch import load
+
+    from tests.faults import hub_env, hub_server
+    from tests.helpers import finetune
+
+    hub = hub_server()
+    out = tmp_path / "pushed"
+    finetune(2, ["--method", "dpo", "--dataset", str(runs["data"]), "--model_name_or_path", str(runs["gpt2"]),
+                 "--per_device_train_batch_size", str(BATCH // 2), "--max_steps", "2", "--eval_fraction", "0",
+                 "--output_dir", str(out), "--push_to_hub", "--hub_model_id", "hftk-test/tiny-dpo",
+                 "--hub_strategy", "end", "--hub_retry_backoff_s", "0.1"], env=hub_env(hub))
+    files = hub.state.files("hftk-test/tiny-dpo")
+    assert {"model.safetensors", "config.json", "hftk_run.json", "README.md"} <= files.keys()
+    assert max_weight_diff(load(files["model.safetensors"]), load_weights(out / "final")) == 0.0
+    assert "- method: **DPO** (Direct Preference Optimization, TRL's DPOTrainer), beta 0.1" in \
+        files["README.md"].decode()
 
 
 def test_held_out_preference_accuracy_rises_above_chance(runs) -> None:
