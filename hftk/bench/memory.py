@@ -10,7 +10,10 @@ phase's peak and the counted bytes of parameters, gradients and optimizer state 
 beside the plan's prediction of both for the same model, batch and world size.
 
 With ``--lora_r R`` every strategy also runs with LoRA adapters of rank R, and with ``--load_in_4bit``
-on a 4-bit (QLoRA) base too, as rows ``STRATEGY lora`` / ``STRATEGY qlora`` beside full fine-tuning.
+on a 4-bit (QLoRA) base too, as rows ``STRATEGY lora`` / ``STRATEGY qlora`` beside full fine-tuning. With
+``--dpo`` every strategy that trains DPO also runs it (row ``STRATEGY dpo``) on generated preference pairs of
+the same token length: the frozen reference model counted as the rank holds it (whole, 16-bit or sharded)
+beside the plan's reference row, and the peak as a ratio to supervised fine-tuning's, measured in this run.
 """
 
 from __future__ import annotations
@@ -45,34 +48,55 @@ OPTION_HELP = {
                   "FSDP2 over the rest, 4 ranks or more; cp: ring-attention context parallel over all ranks)",
     "lora_r": "also run every strategy with LoRA adapters of this rank (row 'STRATEGY lora'; 0: full fine-tuning only)",
     "load_in_4bit": "with lora_r: also run every strategy on a 4-bit (nf4, double-quantized) base (row 'STRATEGY qlora')",
+    "dpo": "also run every strategy that trains DPO with --method dpo (row 'STRATEGY dpo'): its reference model "
+           "counted and planned, its peak against the same strategy's supervised run",
 }
 
 
-def variants(lora_r: int, load_in_4bit: bool) -> dict[str, list[str]]:
-    """Row suffix -> hftk train options: full fine-tuning, then LoRA, then QLoRA (as asked)."""
+def variants(lora_r: int, load_in_4bit: bool, pairs: Path | None = None) -> dict[str, list[str]]:
+    """Row suffix -> hftk train options: full fine-tuning, then LoRA, then QLoRA, then DPO on ``pairs`` (as asked)."""
     rows = {"": []}
     if lora_r:
         rows[" lora"] = ["--lora_r", str(lora_r)]
         if load_in_4bit:
             rows[" qlora"] = ["--lora_r", str(lora_r), "--load_in_4bit"]
+    if pairs is not None:
+        rows[" dpo"] = ["--method", "dpo", "--dataset", str(pairs), "--eval_fraction", "0"]
     return rows
+
+
+def preference_pairs(path: Path, block_size: int) -> Path:
+    """Pairs whose prompt + completion fill ``block_size`` tokens of the built-in tokenizers or more (TRL cuts
+    them to max_length = block_size): DPO's batches then hold as many tokens per sequence as the supervised rows."""
+    words = "blue cat dog moon lamp rock".split()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i in range(256):
+            w, o = words[i % 6], words[(i + 1) % 6]
+            f.write(json.dumps({"prompt": f"Repeat {w}:", "chosen": f" {w}" * block_size,
+                                "rejected": f" {o}" * block_size}) + "\n")
+    return path
 
 
 def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, block_size: int = 64,
                      micro_batch: int = 2, steps: int = 3, strategies: tuple[str, ...] = PLAN_STRATEGIES,
                      train_args: list[str] | None = None, timeout: float = 900, lora_r: int = 0,
-                     load_in_4bit: bool = False) -> dict[str, Any]:
-    """Run every strategy once at ``nproc`` ranks (and with LoRA / QLoRA when asked); write ``memory.md``,
+                     load_in_4bit: bool = False, dpo: bool = False) -> dict[str, Any]:
+    """Run every strategy once at ``nproc`` ranks (and with LoRA / QLoRA / DPO when asked); write ``memory.md``,
     ``memory.png`` and ``memory.json``."""
+    from hftk.config.support import DPO_STRATEGIES
+
     out_dir = Path(out_dir)
     argv = [*BENCH_TRAIN_ARGS, "--model_name_or_path", model, "--block_size", str(block_size),
             "--per_device_train_batch_size", str(micro_batch), "--max_steps", str(steps),
             "--comm_profile_steps", "0", *(train_args or [])]  # the profiler's own memory would count
     runs: dict[str, Any] = {}
     load_before = list(os.getloadavg())
-    for suffix, extra in variants(lora_r, load_in_4bit).items():
-        predictions = predict([*argv, *extra], nproc, strategies)
-        for strategy in strategies:
+    pairs = preference_pairs(out_dir / "pairs.jsonl", block_size) if dpo else None
+    for suffix, extra in variants(lora_r, load_in_4bit, pairs).items():
+        rows = [s for s in strategies if suffix != " dpo" or s in DPO_STRATEGIES]
+        predictions = predict([*argv, *extra], nproc, tuple(rows))
+        for strategy in rows:
             work = out_dir / (strategy + suffix.replace(" ", "_"))
             record = work / "memory.json"
             layout = MESH_ROWS[strategy](nproc) if strategy in MESH_ROWS else ["--strategy", strategy]
@@ -89,6 +113,9 @@ def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, 
         for run in runs.values():
             run["peak_vs_ddp"] = run["peak_mib"] / runs["ddp"]["peak_mib"]
         result["targets"] = {s: runs[s]["peak_vs_ddp"] <= SHARDED_TARGET for s in ("fsdp", "zero3") if s in runs}
+    for name, run in runs.items():  # DPO beside the same strategy's supervised run, both measured here
+        if name.endswith(" dpo") and name.removesuffix(" dpo") in runs:
+            run["peak_vs_sft"] = run["peak_mib"] / runs[name.removesuffix(" dpo")]["peak_mib"]
     result["plan_within_target"] = {s: abs(r["plan_peak_error"]) <= PLAN_TARGET for s, r in runs.items()}
     result["plan_model_state_within_10pct"] = {s: abs(r["plan_model_state_error"]) <= 0.1 for s, r in runs.items()}
     finish(result, table, chart, out_dir / "memory.png")
@@ -141,6 +168,7 @@ def summarise(record: dict[str, Any], plan: StrategyPlan, wall_s: float) -> dict
         "lifetime_peak_mib": max(r["lifetime_peak"] for r in ranks) / MIB,
         "model_state_mib": state / MIB,
         "counted": {k: max(r[k] for r in ranks) / MIB for k in ("params", "grads", "optimizer")},
+        "reference_mib": max(r.get("reference", 0) for r in ranks) / MIB, "plan_reference_mib": plan.reference / MIB,
         "plan_model_state_mib": plan.model_state / MIB, "plan_peak_mib": plan.device_total / MIB,
         "plan_model_state_error": plan.model_state / state - 1, "plan_peak_error": plan.device_total / peak - 1,
     }
@@ -153,11 +181,14 @@ def table(result: dict[str, Any]) -> dict[str, Any]:
         rows.append([name, f"{r['peak_mib']:.0f}", f"{r['peak_vs_ddp']:.3f}" if "peak_vs_ddp" in r else "-",
                      f"{r['model_state_mib']:.1f}", f"{c['params']:.1f} / {c['grads']:.1f} / {c['optimizer']:.1f}",
                      f"{r['plan_model_state_mib']:.1f}", f"{r['plan_model_state_error']:+.1%}", f"{r['plan_peak_mib']:.0f}",
-                     f"{r['plan_peak_error']:+.0%}"])
+                     f"{r['plan_peak_error']:+.0%}",
+                     f"{r['reference_mib']:.1f} / {r['plan_reference_mib']:.1f}" if r["plan_reference_mib"] else "-",
+                     f"{r['peak_vs_sft']:.2f}" if "peak_vs_sft" in r else "-"])
     return {"title": f"per-rank memory, {result['model']}, {result['nproc']} ranks, micro-batch "
                      f"{result['micro_batch']} x {result['block_size']} tokens, training-phase peak (malloc tuned)",
             "columns": ["strategy", "peak MiB (max rank)", "x ddp", "model state MiB", "params / grads / optim MiB",
-                        "plan model state MiB", "plan model state error", "plan peak MiB", "plan peak error"],
+                        "plan model state MiB", "plan model state error", "plan peak MiB", "plan peak error",
+                        "DPO reference MiB (counted / plan)", "DPO peak x SFT"],
             "rows": rows}
 
 

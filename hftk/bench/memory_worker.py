@@ -10,7 +10,8 @@ measurements per rank:
   together. Counting later, at the Trainer's ``on_optimizer_step``, would miss DeepSpeed's
   gradients: its engine frees them inside its own step;
 - peak memory of the training phase: reset at train begin (VmHWM after ``clear_refs`` on CPU,
-  the allocator's peak on GPU), with the lifetime peak before the reset (imports + loading).
+  the allocator's peak on GPU), with the lifetime peak before the reset (imports + loading);
+- under ``--method dpo``, the bytes of the frozen reference model the rank holds (TRL's ``ref_model``).
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ class MemoryProbe(TrainerCallback):
         self.trainer = trainer
         self.device = trainer.args.device
         self.counts: dict[str, int] = {}
-        self.lifetime_peak = self.peak = 0
+        self.lifetime_peak = self.peak = self.reference = 0
         self._hook: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.reference = reference_bytes(self.trainer)
         self.lifetime_peak = peak_memory_bytes(self.device)
         reset_peak_memory(self.device)
         optimizer = self.trainer.optimizer
@@ -70,7 +72,14 @@ class MemoryProbe(TrainerCallback):
 
     def result(self) -> dict[str, int]:
         return {**self.counts, "peak": max(self.peak, peak_memory_bytes(self.device)),
-                "lifetime_peak": self.lifetime_peak}
+                "lifetime_peak": self.lifetime_peak, "reference": self.reference}
+
+
+def reference_bytes(trainer: Any) -> int:
+    """This rank's bytes of DPO's frozen reference model (TRL's ``ref_model``: a module, or the DeepSpeed engine
+    around one; its local shard where sharded); 0 without one (supervised runs, LoRA, precomputed log-probs)."""
+    ref = getattr(trainer, "ref_model", None)
+    return 0 if ref is None else model_state_bytes(getattr(ref, "module", ref))["params"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
                             "the optimizer state).", f"pass --max_steps {COUNTED_STEP} or more.")
         if strategy_table.spec(prepared.cfg.strategy.strategy).engine == "loop":
             return loop_memory(prepared, out)
-        trainer, _, _ = build_trainer(prepared)
+        if prepared.cfg.preference.method == "dpo":
+            from hftk.engine.preference import build_dpo_trainer
+
+            trainer, _, _ = build_dpo_trainer(prepared)
+        else:
+            trainer, _, _ = build_trainer(prepared)
     except HftkError as exc:
         print(f"hftk: error: {exc.one_line()}", file=sys.stderr, flush=True)
         return 2

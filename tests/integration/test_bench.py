@@ -24,7 +24,7 @@ REDUCED = [
     "--set", "comm.steps=6", "--set", "comm.warmup_steps=2", "--set", "comm.micro_batch=4",
     "--set", "pipeline.steps=2", "--set", "pipeline.warmup=1", "--set", "pipeline.microbatches=2,4",
     "--set", "pipeline.n_layer=4", "--set", "pipeline.n_embd=64",
-    "--set", "memory.steps=2", "--set", "memory.strategies=ddp,fsdp",
+    "--set", "memory.steps=2", "--set", "memory.strategies=ddp,fsdp", "--set", "memory.dpo=true",
     "--set", "data.examples=40", "--set", "data.min_words=4", "--set", "data.max_words=40",
     "--set", "startup.nprocs=2", "--set", "startup.repeats=1",
 ]
@@ -88,6 +88,13 @@ def test_every_figure_is_a_finite_measured_number(report):
         variant["hand"]["step_time_s"] / variant["hftk"]["step_time_s"], rel=1e-9)
     assert overhead["cpu_ratio"]["median"] == pytest.approx(
         variant["hand"]["cpu_time_s"] / variant["hftk"]["cpu_time_s"], rel=1e-9)
+    memory = benches["memory"]["strategies"]
+    for strategy in ("ddp", "fsdp"):  # DPO rows: the reference counted as the plan has it, the peak against SFT's
+        dpo = memory[f"{strategy} dpo"]
+        assert dpo["reference_mib"] == pytest.approx(dpo["plan_reference_mib"], rel=0.05) and dpo["reference_mib"] > 0
+        assert dpo["peak_vs_sft"] == pytest.approx(dpo["peak_mib"] / memory[strategy]["peak_mib"], rel=1e-9)
+        assert memory[strategy]["reference_mib"] == memory[strategy]["plan_reference_mib"] == 0
+    assert memory["fsdp dpo"]["reference_mib"] < 0.6 * memory["ddp dpo"]["reference_mib"]  # sharded over 2 ranks
     batch = benches["batch"]["strategies"]["ddp"]
     assert batch["largest_micro_batch"] == 4 and batch["best_pair"]["micro_batch"] * batch["best_pair"]["accumulation"] == 4
     data = benches["data"]["modes"]

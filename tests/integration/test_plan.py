@@ -97,3 +97,41 @@ def test_auto_budget_holds_without_any_allocator_setting(tmp_path, monkeypatch):
     peaks = [max(m["rank_stats"]["peak_mem_mb"][rank] for m in windows) * MIB for rank in range(2)]
     assert all(peak < budget for peak in peaks), (f"peak RSS per rank {[round(p / MIB) for p in peaks]} MiB, budget "
                                                  f"{budget / MIB:.0f} MiB, plan {plans['fsdp'].device_total / MIB:.0f}")
+
+
+# ---- DPO: the reference model as each strategy holds it, counted on every rank ----
+
+DPO_STRATEGIES = ("ddp", "zero2", "fsdp", "zero3")
+
+
+@pytest.fixture(scope="module")
+def dpo_measured(tmp_path_factory):
+    """One short DPO run per strategy through the memory worker (2 warm ranks), which counts the reference's
+    local bytes beside the policy's model state."""
+    root = tmp_path_factory.mktemp("plan_dpo")
+    words = "blue cat dog moon lamp rock".split()
+    data = root / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Repeat {w}:", "chosen": f" {w} {w}", "rejected": f" {o} {o}"})
+                            + "\n" for w in words for o in words if o != w))
+    cells = {s: ["--method", "dpo", "--dataset", str(data), "--strategy", s, "--max_steps", "2", "--eval_fraction", "0",
+                 "--per_device_train_batch_size", str(MICRO_BATCH), "--comm_profile_steps", "0",
+                 "--output_dir", str(root / s)] for s in DPO_STRATEGIES}
+    finetune_cells(2, cells, root, options={s: {"memory_out": root / f"{s}.json"} for s in DPO_STRATEGIES})
+    return {s: json.loads((root / f"{s}.json").read_text()) for s in DPO_STRATEGIES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", DPO_STRATEGIES)
+def test_plan_predicts_the_dpo_reference_each_rank_holds(dpo_measured, tiny_shape, strategy):
+    """Whole under ddp and ZeRO-2 (TRL's stage-0 DeepSpeed engine), sharded under fsdp and ZeRO-3: the counted
+    bytes equal the plan's reference row within 5%, and the policy's model state is still the SFT plan's."""
+    predicted = estimate(strategy, tiny_shape, PlanInputs(world_size=2, device_memory_bytes=GIB, seq_len=64,
+                                                          micro_batch=MICRO_BATCH, device="cpu", pairs=True,
+                                                          reference=True))
+    record = dpo_measured[strategy]
+    assert record["strategy"] == strategy and record["world_size"] == 2
+    for rank, counted in enumerate(record["ranks"]):
+        assert counted["reference"] > 0, (strategy, rank)
+        assert abs(predicted.reference / counted["reference"] - 1) <= TOLERANCE, (strategy, rank, predicted.reference,
+                                                                                 counted["reference"])
+        assert abs(predicted.model_state / counted["total"] - 1) <= TOLERANCE, (strategy, rank, counted)
