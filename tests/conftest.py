@@ -69,9 +69,10 @@ def builtin_cache(tmp_path, monkeypatch):
     return root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hub():
-    """A local stand-in Hub (tests/hub_server.py) for one test module's pushing runs."""
+    """A local stand-in Hub (tests/hub_server.py) for every module's pushing runs, each to repositories of its
+    own: one endpoint, so their warm ranks share one server (tests/warm.py starts one per environment)."""
     from tests.faults import TOKEN
     from tests.hub_server import HubServer
 

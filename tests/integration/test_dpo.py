@@ -251,15 +251,14 @@ def test_several_preference_datasets_train_mixed_and_are_recorded(runs) -> None:
     assert [(Path(d["path"]).name, d["weight"]) for d in recorded] == [("prefs.jsonl", 2.0), ("prefs_b.jsonl", None)]
 
 
-def test_push_to_hub_sends_the_dpo_model_and_its_card(runs, tmp_path) -> None:
-    """--push_to_hub on a DPO run (the stand-in Hub of tests/faults.py, driven by the real huggingface_hub
-    client): final/'s weights, the run record and a model card that says DPO reach the repository."""
+def test_push_to_hub_sends_the_dpo_model_and_its_card(runs, hub, tmp_path) -> None:
+    """--push_to_hub on a DPO run (the stand-in Hub, driven by the real huggingface_hub client): final/'s weights,
+    the run record and a model card that says DPO reach the repository."""
     from safetensors.torch import load
 
-    from tests.faults import hub_env, hub_server
+    from tests.faults import hub_env
     from tests.helpers import finetune
 
-    hub = hub_server()
     out = tmp_path / "pushed"
     finetune(2, ["--method", "dpo", "--dataset", str(runs["data"]), "--model_name_or_path", str(runs["gpt2"]),
                  "--per_device_train_batch_size", str(BATCH // 2), "--max_steps", "2", "--eval_fraction", "0",

@@ -37,9 +37,8 @@ import pytest
 import torch
 import yaml
 
-from tests.faults import TOKEN, hub_env
+from tests.faults import hub_env
 from tests.helpers import finetune, finetune_cells, losses, metrics, tiny_eval_loss
-from tests.hub_server import HubServer
 
 STEPS = 10
 LORA = ["--lora_r", "8", "--learning_rate", "5e-3", "--adam_epsilon", "1e-4", "--max_steps", str(STEPS),
@@ -63,17 +62,16 @@ pytestmark = pytest.mark.timeout(1800)  # the first slow test launches every run
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, hub):
     """The reference, then every 2-rank run (the Trainer's strategies, the resume, the pipeline loop)."""
     root = tmp_path_factory.mktemp("lora")
-    with HubServer(token=TOKEN) as hub:
-        finetune(1, [*LORA, "--per_device_train_batch_size", "8", "--output_dir", str(root / "single")])
-        cells = {name: [*LORA, *extra, "--output_dir", str(root / name)] for name, (_, extra) in RUNS.items()}
-        cells["fsdp_resume"] = [*LORA, "--strategy", "fsdp", "--per_device_train_batch_size", "4", *GC, "--output_dir",
-                                str(root / "fsdp_resume"), "--resume_from_checkpoint", "latest"]
-        copy = {"copy": [root / "fsdp" / "checkpoint-5", root / "fsdp_resume" / "checkpoint-5"]}
-        logs = finetune_cells(2, cells, root, env=hub_env(hub), options={"fsdp_resume": copy})
-        yield root, logs, hub
+    finetune(1, [*LORA, "--per_device_train_batch_size", "8", "--output_dir", str(root / "single")])
+    cells = {name: [*LORA, *extra, "--output_dir", str(root / name)] for name, (_, extra) in RUNS.items()}
+    cells["fsdp_resume"] = [*LORA, "--strategy", "fsdp", "--per_device_train_batch_size", "4", *GC, "--output_dir",
+                            str(root / "fsdp_resume"), "--resume_from_checkpoint", "latest"]
+    copy = {"copy": [root / "fsdp" / "checkpoint-5", root / "fsdp_resume" / "checkpoint-5"]}
+    logs = finetune_cells(2, cells, root, env=hub_env(hub), options={"fsdp_resume": copy})
+    return root, logs, hub
 
 
 def adapter(folder: Path) -> dict[str, torch.Tensor]:
