@@ -1,5 +1,5 @@
-"""DPO through hftk equals a one-process TRL DPOTrainer: 2 gloo ranks under ddp (GPT-2, Llama and Qwen2 made
-from configs), fsdp and ZeRO-1/2/3/3-offload (GPT-2), LoRA under ddp and ZeRO-2 and QLoRA (4-bit NF4) under ddp
+"""DPO through hftk equals a one-process TRL DPOTrainer: 2 gloo ranks under ddp (GPT-2, Llama, Qwen2, GPT-NeoX
+and Mistral made from configs), fsdp and ZeRO-1/2/3/3-offload (GPT-2), LoRA under ddp and ZeRO-2 and QLoRA (4-bit NF4) under ddp
 give the same per-step loss, rewards/chosen, rewards/rejected and rewards/margins (fp32, 1e-5) and the same final
 weights (or adapter; QLoRA's, which TRL keeps in bf16, within one bf16 step); a short run on a learnable
 preference set lifts held-out rewards/accuracies above chance; conversational pairs (message lists through the
@@ -26,7 +26,8 @@ KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins")
 STEPS, BATCH = 4, 8
 # (strategy, family, adapter: False, True (LoRA) or "qlora") on 2 ranks, each against the one-process reference
 # of its family and adapter.
-CELLS = [("ddp", "gpt2", False), ("ddp", "llama", False), ("ddp", "qwen2", False), ("fsdp", "gpt2", False),
+CELLS = [("ddp", "gpt2", False), ("ddp", "llama", False), ("ddp", "qwen2", False), ("ddp", "gpt_neox", False),
+         ("ddp", "mistral", False), ("fsdp", "gpt2", False),
          ("zero1", "gpt2", False), ("zero2", "gpt2", False), ("zero3", "gpt2", False), ("zero3_offload", "gpt2", False),
          ("ddp", "gpt2", True), ("zero2", "gpt2", True), ("ddp", "gpt2", "qlora")]
 # ChatML as transformers' and TRL's docs write it: the reference's template, owing nothing to hftk's copy.
