@@ -13,7 +13,8 @@ With ``--lora_r R`` every strategy also runs with LoRA adapters of rank R, and w
 on a 4-bit (QLoRA) base too, as rows ``STRATEGY lora`` / ``STRATEGY qlora`` beside full fine-tuning. With
 ``--dpo`` every strategy that trains DPO also runs it (row ``STRATEGY dpo``) on generated preference pairs of
 the same token length: the frozen reference model counted as the rank holds it (whole, 16-bit or sharded)
-beside the plan's reference row, and the peak as a ratio to supervised fine-tuning's, measured in this run.
+beside the plan's reference row, and the peak and the median step time (after the first step) as ratios to
+the same strategy's supervised run, measured in this run.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, 
                                      [*argv, *extra, *layout, "--output_dir", str(work / "run"), "--memory_out",
                                       str(record)], work, timeout, threads_per_rank(nproc))
             runs[strategy + suffix] = summarise(json.loads(record.read_text()), predictions[strategy], launch.wall_s)
+            runs[strategy + suffix]["step_time_s"] = step_time(work / "run" / "metrics.jsonl")
     result: dict[str, Any] = {
         "model": model, "nproc": nproc, "block_size": block_size, "micro_batch": micro_batch, "steps": steps,
         "allocator": allocator.effective(), "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
@@ -115,13 +117,27 @@ def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, 
         result["targets"] = {s: runs[s]["peak_vs_ddp"] <= SHARDED_TARGET for s in ("fsdp", "zero3") if s in runs}
     for name, run in runs.items():  # DPO beside the same strategy's supervised run, both measured here
         if name.endswith(" dpo") and name.removesuffix(" dpo") in runs:
-            run["peak_vs_sft"] = run["peak_mib"] / runs[name.removesuffix(" dpo")]["peak_mib"]
+            sft = runs[name.removesuffix(" dpo")]
+            run["peak_vs_sft"] = run["peak_mib"] / sft["peak_mib"]
+            run["step_time_vs_sft"] = run["step_time_s"] / sft["step_time_s"]
     result["plan_within_target"] = {s: abs(r["plan_peak_error"]) <= PLAN_TARGET for s, r in runs.items()}
     result["plan_model_state_within_10pct"] = {s: abs(r["plan_model_state_error"]) <= 0.1 for s, r in runs.items()}
     finish(result, table, chart, out_dir / "memory.png")
     (out_dir / "memory.json").write_text(json.dumps(result, indent=1))
     (out_dir / "memory.md").write_text(markdown(result))
     return result
+
+
+def step_time(metrics_file: Path) -> float:
+    """The run's median step time after its first step (one-time work), from its metrics.jsonl."""
+    import statistics
+
+    from hftk.telemetry.metrics import read_jsonl
+
+    times = [r["step_time_s"] for r in read_jsonl(metrics_file) if "loss" in r and r.get("step", 0) >= 2]
+    if not times:
+        raise HftkError("memory.steps", f"{metrics_file} logged no step after the first.", "run 2 steps or more.")
+    return statistics.median(times)
 
 
 def predict(argv: list[str], nproc: int, strategies: tuple[str, ...]) -> dict[str, StrategyPlan]:
@@ -183,12 +199,13 @@ def table(result: dict[str, Any]) -> dict[str, Any]:
                      f"{r['plan_model_state_mib']:.1f}", f"{r['plan_model_state_error']:+.1%}", f"{r['plan_peak_mib']:.0f}",
                      f"{r['plan_peak_error']:+.0%}",
                      f"{r['reference_mib']:.1f} / {r['plan_reference_mib']:.1f}" if r["plan_reference_mib"] else "-",
-                     f"{r['peak_vs_sft']:.2f}" if "peak_vs_sft" in r else "-"])
+                     f"{r['peak_vs_sft']:.2f}" if "peak_vs_sft" in r else "-",
+                     f"{r['step_time_vs_sft']:.2f}" if "step_time_vs_sft" in r else "-"])
     return {"title": f"per-rank memory, {result['model']}, {result['nproc']} ranks, micro-batch "
                      f"{result['micro_batch']} x {result['block_size']} tokens, training-phase peak (malloc tuned)",
             "columns": ["strategy", "peak MiB (max rank)", "x ddp", "model state MiB", "params / grads / optim MiB",
                         "plan model state MiB", "plan model state error", "plan peak MiB", "plan peak error",
-                        "DPO reference MiB (counted / plan)", "DPO peak x SFT"],
+                        "DPO reference MiB (counted / plan)", "DPO peak x SFT", "DPO step time x SFT"],
             "rows": rows}
 
 

@@ -93,6 +93,8 @@ def test_every_figure_is_a_finite_measured_number(report):
         dpo = memory[f"{strategy} dpo"]
         assert dpo["reference_mib"] == pytest.approx(dpo["plan_reference_mib"], rel=0.05) and dpo["reference_mib"] > 0
         assert dpo["peak_vs_sft"] == pytest.approx(dpo["peak_mib"] / memory[strategy]["peak_mib"], rel=1e-9)
+        assert dpo["step_time_vs_sft"] == pytest.approx(dpo["step_time_s"] / memory[strategy]["step_time_s"], rel=1e-9)
+        assert dpo["step_time_vs_sft"] > 1  # chosen and rejected through the policy, and the reference's forward
         assert memory[strategy]["reference_mib"] == memory[strategy]["plan_reference_mib"] == 0
     assert memory["fsdp dpo"]["reference_mib"] < 0.6 * memory["ddp dpo"]["reference_mib"]  # sharded over 2 ranks
     batch = benches["batch"]["strategies"]["ddp"]

@@ -4,7 +4,9 @@ give the same per-step loss, rewards/chosen, rewards/rejected and rewards/margin
 weights (or adapter; QLoRA's, which TRL keeps in bf16, within one bf16 step); a short run on a learnable
 preference set lifts held-out rewards/accuracies above chance; conversational pairs (message lists through the
 run's chat template) equal TRL given that template; a run resumed from checkpoint-3 (ddp, ZeRO-3)
-continues exactly; two weighted preference files mix; --push_to_hub sends final/ and a card that says DPO. The cells run on shared warm ranks
+continues exactly; two weighted preference files mix; --push_to_hub sends final/ and a card that says DPO; a
+named reference model of other weights (ddp, fsdp, ZeRO-3) and precomputed reference log-probs (ddp, ZeRO-3)
+equal TRL. The cells run on shared warm ranks
 (``finetune_cells``); the references (one per family and adapter) run in this process."""
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ CELLS = [("ddp", "gpt2", False), ("ddp", "llama", False), ("ddp", "qwen2", False
 CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
           "{%- endif %}")
+REFERENCE_OPTIONS = ("ddp", "fsdp", "zero3")  # ref_model_name_or_path under each; precompute_ref_log_probs
+PRECOMPUTED = ("ddp", "zero3")  # under these (fsdp refuses it by name: tests/unit/config/test_preference.py)
 RESUMED = ("ddp", "zero3")  # exact resume: the Trainer's checkpoint, and DeepSpeed's with the reference partitioned
 LORA = ["--lora_r", "8"]  # hftk's defaults otherwise: alpha 16, dropout 0, GPT-2's c_attn / c_proj / c_fc
 QLORA = [*LORA, "--load_in_4bit"]  # hftk's defaults otherwise: NF4, double quantization, fp32 compute
@@ -61,6 +65,20 @@ def _preferences(path: Path, rows: int, seed: int) -> Path:
     return path
 
 
+def _other_reference(model_dir: Path, folder: Path) -> Path:
+    """The starting model with every weight moved by seeded noise: a reference the policy does not start from."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
+    return folder
+
+
 def _conversations(path: Path, rows: int, seed: int) -> Path:
     """The same rule as message lists (TRL's conversational format: a user turn, an assistant turn each side)."""
     with path.open("w") as f:
@@ -76,12 +94,13 @@ def _name(strategy: str, family: str, lora: bool | str) -> str:
     return f"{strategy}_{family}" + ("_qlora" if lora == "qlora" else "_lora" if lora else "")
 
 
-def _reference(model_dir: Path, data: Path, out: Path, lora: bool | str, chat_template: str | None = None
-               ) -> tuple[list[dict], dict]:
+def _reference(model_dir: Path, data: Path, out: Path, lora: bool | str, chat_template: str | None = None,
+               ref_dir: Path | None = None) -> tuple[list[dict], dict]:
     """TRL's own DPOTrainer, one process, batch 8, fp32 (bf16 off: DPOConfig's default is on): its per-step
     logs and final weights (with ``lora``: PEFT's LoRA of the same config and seed; TRL's reference is then the
     base with the adapter disabled; the adapter's weights; ``"qlora"``: the base loaded in 4 bits by
-    transformers' BitsAndBytesConfig and prepared by PEFT's prepare_model_for_kbit_training, as QLoRA recipes do)."""
+    transformers' BitsAndBytesConfig and prepared by PEFT's prepare_model_for_kbit_training, as QLoRA recipes do;
+    ``ref_dir``: that model as TRL's ``ref_model``)."""
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
@@ -112,7 +131,8 @@ def _reference(model_dir: Path, data: Path, out: Path, lora: bool | str, chat_te
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    trainer = DPOTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer)
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32) if ref_dir is not None else None
+    trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=train, processing_class=tokenizer)
     trainer.train()
     trainer.save_model(str(out / "final"))
     logs = [row for row in trainer.state.log_history if "rewards/chosen" in row]
@@ -137,6 +157,14 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     cells = {_name(*cell): [*common, "--strategy", cell[0], "--model_name_or_path", str(models[cell[1]]),
                             *(QLORA if cell[2] == "qlora" else LORA if cell[2] else []),
                             "--output_dir", str(root / _name(*cell))] for cell in CELLS}
+    other = _other_reference(models["gpt2"], root / "other_reference")
+    for strategy in REFERENCE_OPTIONS:  # a named reference of other weights; precomputed log-probs
+        shared = [*common, "--strategy", strategy, "--model_name_or_path", str(models["gpt2"])]
+        cells[f"named_ref_{strategy}"] = [*shared, "--ref_model_name_or_path", str(other),
+                                          "--output_dir", str(root / f"named_ref_{strategy}")]
+        if strategy in PRECOMPUTED:
+            cells[f"precomputed_{strategy}"] = [*shared, "--precompute_ref_log_probs",
+                                                "--output_dir", str(root / f"precomputed_{strategy}")]
     conversations = _conversations(root / "conversations.jsonl", 64, 0)
     cells["conversations"] = [*[str(conversations) if a == str(data) else a for a in common],
                               "--model_name_or_path", str(models["gpt2"]),
@@ -161,7 +189,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         options[f"{strategy}_resumed"] = {"copy": [root / f"{strategy}_full" / "checkpoint-3",
                                                    root / f"{strategy}_resumed" / "checkpoint-3"]}
     outputs = finetune_cells(2, cells, root, timeout=900, options=options)
-    return {"root": root, "data": data, "conversations": conversations, "outputs": outputs, **models}
+    return {"root": root, "data": data, "conversations": conversations, "other": other, "outputs": outputs, **models}
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +298,36 @@ def test_push_to_hub_sends_the_dpo_model_and_its_card(runs, hub, tmp_path) -> No
     assert max_weight_diff(load(files["model.safetensors"]), load_weights(out / "final")) == 0.0
     assert "- method: **DPO** (Direct Preference Optimization, TRL's DPOTrainer), beta 0.1" in \
         files["README.md"].decode()
+
+
+def _assert_equal_run(out: Path, logs: list[dict], weights: dict) -> None:
+    ours = [row for row in metrics(out) if "rewards/chosen" in row]
+    assert [row["step"] for row in ours] == list(range(1, STEPS + 1))
+    for step, (mine, theirs) in enumerate(zip(ours, logs, strict=True), start=1):
+        for key in KEYS:
+            assert mine[key] == pytest.approx(theirs[key], abs=TOL), (out.name, step, key, mine[key], theirs[key])
+    assert max_weight_diff(_tied_once(load_weights(out / "final")), _tied_once(weights)) < TOL
+
+
+@pytest.fixture(scope="module")
+def named_reference(runs) -> tuple[list[dict], dict]:
+    """One-process TRL given the noised model as its ref_model."""
+    return _reference(runs["gpt2"], runs["data"], runs["root"] / "ref_named", False, ref_dir=runs["other"])
+
+
+@pytest.mark.parametrize("strategy", REFERENCE_OPTIONS)
+def test_a_named_reference_model_is_the_one_scored(runs, named_reference, strategy) -> None:
+    """--ref_model_name_or_path with weights the policy does not start from: the run equals TRL given that model
+    as ref_model (a run that scored the starting model instead starts at rewards 0 and fails)."""
+    logs, weights = named_reference
+    assert logs[0]["rewards/chosen"] != 0  # the reference differs from the policy from the first step
+    _assert_equal_run(runs["root"] / f"named_ref_{strategy}", logs, weights)
+
+
+@pytest.mark.parametrize("strategy", PRECOMPUTED)
+def test_precomputed_reference_log_probs_train_as_the_live_reference(runs, references, strategy) -> None:
+    """--precompute_ref_log_probs (no reference held while training): the same steps as TRL's live reference."""
+    _assert_equal_run(runs["root"] / f"precomputed_{strategy}", *references["gpt2", False])
 
 
 def test_held_out_preference_accuracy_rises_above_chance(runs) -> None:

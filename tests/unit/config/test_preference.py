@@ -34,6 +34,7 @@ def test_yaml_training_method_and_cli(tmp_path) -> None:
     (["--max_length", "0"], "training.max_length"),
     (["--method", "dpo", "--lora_r", "8", "--ref_model_name_or_path", "x"], "training.ref_model_name_or_path"),
     (["--method", "dpo", "--tokenized_path", "tok"], "data.tokenized_path"),
+    (["--method", "dpo", "--strategy", "fsdp", "--precompute_ref_log_probs"], "training.precompute_ref_log_probs"),
 ])
 def test_bad_values_name_the_field(argv, field) -> None:
     with pytest.raises(HftkError) as info:
