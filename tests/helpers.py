@@ -319,3 +319,21 @@ def make_family(model_type: str, folder: Path, **sizes_given: int) -> Path:
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+PREFERENCE_WORDS = "blue cat dog moon lamp rock".split()  # one token each (built-in tokenizer): equal row lengths
+
+
+def preference_pairs(path: Path, rows: int, seed: int) -> Path:
+    """DPO pairs with a learnable rule: the chosen completion repeats the word the prompt names, the rejected
+    one another."""
+    import random
+
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(rows):
+            word = rng.choice(PREFERENCE_WORDS)
+            other = rng.choice([w for w in PREFERENCE_WORDS if w != word])
+            f.write(json.dumps({"prompt": f"Repeat {word}:", "chosen": f" {word} {word}",
+                                "rejected": f" {other} {other}"}) + "\n")
+    return path

@@ -46,7 +46,7 @@ class MemoryProbe(TrainerCallback):
         self._hook: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.reference = reference_bytes(self.trainer)
+        self.reference = held_reference_bytes(self.trainer)
         self.lifetime_peak = peak_memory_bytes(self.device)
         reset_peak_memory(self.device)
         optimizer = self.trainer.optimizer
@@ -75,7 +75,7 @@ class MemoryProbe(TrainerCallback):
                 "lifetime_peak": self.lifetime_peak, "reference": self.reference}
 
 
-def reference_bytes(trainer: Any) -> int:
+def held_reference_bytes(trainer: Any) -> int:
     """This rank's bytes of DPO's frozen reference model (TRL's ``ref_model``: a module, or the DeepSpeed engine
     around one; its local shard where sharded); 0 without one (supervised runs, LoRA, precomputed log-probs)."""
     ref = getattr(trainer, "ref_model", None)

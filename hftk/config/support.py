@@ -193,14 +193,28 @@ DPO_LORA_REFUSED = {
 }
 
 
+# Precomputed reference log-probs: TRL 1.16 fingerprints the model's parameters with .numpy() first, which
+# FSDP2's sharded (DTensor) parameters refuse (tests/integration/test_dpo.py runs it under ddp and ZeRO-3).
+DPO_PRECOMPUTE_REFUSED = {
+    "fsdp": Refusal("training.precompute_ref_log_probs", "is not supported with strategy fsdp: TRL 1.16 fingerprints "
+                    "the model's parameters with .numpy(), which FSDP2's sharded (DTensor) parameters refuse.",
+                    "drop --precompute_ref_log_probs (the reference is then sharded like the policy) or use ddp / "
+                    "zero1 / zero2 / zero3."),
+}
+
+
 def dpo_refusal(strategy: str, lora: bool) -> Refusal | None:
     """Why DPO does not run under ``strategy`` (with LoRA when ``lora``), or None."""
     return DPO_REFUSED.get(strategy) or (DPO_LORA_REFUSED.get(strategy) if lora else None)
 
 
-def check_method(strategy: str, method: str, lora_r: int = 0) -> None:
+def check_method(strategy: str, method: str, lora_r: int = 0, precompute_ref_log_probs: bool = False) -> None:
     """Raise the table's refusal of ``method`` under ``strategy`` (sft trains everywhere)."""
-    if method == "dpo" and (refusal := dpo_refusal(strategy, lora_r > 0)) is not None:
+    if method != "dpo":
+        return
+    refusal = dpo_refusal(strategy, lora_r > 0) or (DPO_PRECOMPUTE_REFUSED.get(strategy) if precompute_ref_log_probs
+                                                      else None)
+    if refusal is not None:
         raise HftkError(refusal.field, refusal.problem, refusal.fix)
 
 

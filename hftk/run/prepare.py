@@ -44,7 +44,8 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
     if cfg.strategy.strategy == "auto":
         cfg.strategy.strategy = estimate.resolve_auto(cfg, model_config, world_size)
     # after auto: the strategy that runs
-    support.check_method(cfg.strategy.strategy, cfg.preference.method, cfg.model.lora_r)
+    support.check_method(cfg.strategy.strategy, cfg.preference.method, cfg.model.lora_r,
+                         cfg.preference.precompute_ref_log_probs)
     strategy_table.get(cfg.strategy.strategy).validate(cfg, world_size)
     validate.check_samples(cfg, model_config)  # the prompt file's rows, with the run's tokenizer and template
     if read_tokenized and cfg.data.tokenized_path:

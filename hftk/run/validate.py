@@ -26,9 +26,6 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-PRECOMPUTE_REFUSED = ("fsdp",)  # strategies whose DPO runs cannot precompute reference log-probs (see below)
-
-
 def check_preference(cfg: RunConfig) -> None:
     """DPO's options (training.method and the preference section): values, and the strategy's support."""
     p = cfg.preference
@@ -37,11 +34,6 @@ def check_preference(cfg: RunConfig) -> None:
     if p.max_length is not None and p.max_length < 1:
         raise HftkError("training.max_length", f"must be a positive integer, got {p.max_length}.",
                         "remove it (data.block_size is used) or set e.g. 512.")
-    if p.method == "dpo" and p.precompute_ref_log_probs and cfg.strategy.strategy in PRECOMPUTE_REFUSED:
-        raise HftkError("training.precompute_ref_log_probs", f"is not supported with strategy {cfg.strategy.strategy}: "
-                        "TRL 1.16 fingerprints the model's parameters with .numpy(), which FSDP2's sharded "
-                        "(DTensor) parameters refuse.", "drop --precompute_ref_log_probs (the reference is then "
-                        "sharded like the policy) or use ddp / zero1 / zero2 / zero3.")
     if p.method == "dpo" and cfg.data.tokenized_path:  # hftk preprocess and a run reading its folder
         raise HftkError("data.tokenized_path", "TRL's DPOTrainer tokenizes preference pairs itself (TRL 1.16 takes no "
                         "pre-tokenized pairs), so a preprocessed folder cannot feed a DPO run.",

@@ -12,14 +12,13 @@ equal TRL. The cells run on shared warm ranks
 from __future__ import annotations
 
 import json
-import random
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import finetune_cells, load_weights, make_family, max_weight_diff, metrics
+from tests.helpers import finetune_cells, load_weights, make_family, max_weight_diff, metrics, preference_pairs
 
 # fp32 on both sides: DPOConfig's bf16 defaults to on (CPU autocast), under which one process alone differs by
 # ~2e-4 between a batch of 8 and 2 accumulated batches of 4; in fp32 those agree within 1.2e-7 (weights, 4 steps).
@@ -46,23 +45,8 @@ WHOLE = "a whole copy on each rank"
 HELD = {"ddp": WHOLE, "zero1": WHOLE, "zero2": WHOLE, "fsdp": "sharded over 2 ranks (FSDP2)",
         "zero3": "partitioned over 2 ranks (ZeRO-3)", "zero3_offload": "partitioned over 2 ranks (ZeRO-3)",
         "lora": "the policy with a frozen copy of its starting adapter (no second model)"}
-# Six words of the same token length (built-in tokenizer): every row pads to the same length, so a rank's
-# batch of 4 and one process's batch of 8 run the same shapes.
-WORDS = "blue cat dog moon lamp rock".split()
 # Every cell runs on the first test's use of the fixture (DeepSpeed's first start on a machine builds its ops).
 pytestmark = pytest.mark.timeout(1800)
-
-
-def _preferences(path: Path, rows: int, seed: int) -> Path:
-    """A learnable rule: the chosen completion repeats the word the prompt names, the rejected one another."""
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for _ in range(rows):
-            word = rng.choice(WORDS)
-            other = rng.choice([w for w in WORDS if w != word])
-            f.write(json.dumps({"prompt": f"Repeat {word}:", "chosen": f" {word} {word}",
-                                "rejected": f" {other} {other}"}) + "\n")
-    return path
 
 
 def _other_reference(model_dir: Path, folder: Path) -> Path:
@@ -82,7 +66,7 @@ def _other_reference(model_dir: Path, folder: Path) -> Path:
 def _conversations(path: Path, rows: int, seed: int) -> Path:
     """The same rule as message lists (TRL's conversational format: a user turn, an assistant turn each side)."""
     with path.open("w") as f:
-        for line in _preferences(path.with_suffix(".standard.jsonl"), rows, seed).read_text().splitlines():
+        for line in preference_pairs(path.with_suffix(".standard.jsonl"), rows, seed).read_text().splitlines():
             row = json.loads(line)
             f.write(json.dumps({"prompt": [{"role": "user", "content": row["prompt"]}],
                                 "chosen": [{"role": "assistant", "content": row["chosen"].strip()}],
@@ -150,7 +134,7 @@ def _saved(folder: Path, lora: bool) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dpo")
-    data = _preferences(root / "prefs.jsonl", 64, 0)
+    data = preference_pairs(root / "prefs.jsonl", 64, 0)
     models = {family: make_family(family, root / f"{family}_model") for family in {cell[1] for cell in CELLS}}
     common = ["--method", "dpo", "--dataset", str(data), "--per_device_train_batch_size", str(BATCH // 2),
               "--max_steps", str(STEPS), "--beta", "0.1", "--eval_fraction", "0", "--adam_epsilon", "1e-4"]
@@ -170,12 +154,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                               "--model_name_or_path", str(models["gpt2"]),
                               "--chat_template", "chatml", "--no_add_chat_tokens",
                               "--output_dir", str(root / "conversations")]
-    second = _preferences(root / "prefs_b.jsonl", 32, 2)
+    second = preference_pairs(root / "prefs_b.jsonl", 32, 2)
     mixed = root / "mixed.yaml"
     mixed.write_text(f"data:\n  datasets:\n    - path: {data}\n      weight: 2\n    - path: {second}\n")
     cells["mixed"] = [*[a for a in common if a not in ("--dataset", str(data))], "--config", str(mixed),
                       "--model_name_or_path", str(models["gpt2"]), "--output_dir", str(root / "mixed")]
-    learn = _preferences(root / "learn.jsonl", 400, 1)
+    learn = preference_pairs(root / "learn.jsonl", 400, 1)
     cells["learn"] = ["--method", "dpo", "--dataset", str(learn), "--per_device_train_batch_size", "8",
                       "--max_steps", "60", "--eval_fraction", "0.2", "--eval_strategy", "steps", "--eval_steps", "60",
                       "--output_dir", str(root / "learn")]

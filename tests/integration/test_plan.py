@@ -12,7 +12,7 @@ import pytest
 from hftk.core import allocator
 from hftk.data.builtin import builtin_model_config
 from hftk.plan.estimate import GIB, HEADROOM, MIB, PLAN_STRATEGIES, PlanInputs, estimate, model_shape, plan
-from tests.helpers import FINETUNE, ROOT, finetune_cells, free_port, metrics, run, torchrun
+from tests.helpers import FINETUNE, ROOT, finetune_cells, free_port, metrics, preference_pairs, run, torchrun
 
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 MICRO_BATCH = 4
@@ -109,10 +109,7 @@ def dpo_measured(tmp_path_factory):
     """One short DPO run per strategy through the memory worker (2 warm ranks), which counts the reference's
     local bytes beside the policy's model state."""
     root = tmp_path_factory.mktemp("plan_dpo")
-    words = "blue cat dog moon lamp rock".split()
-    data = root / "prefs.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Repeat {w}:", "chosen": f" {w} {w}", "rejected": f" {o} {o}"})
-                            + "\n" for w in words for o in words if o != w))
+    data = preference_pairs(root / "prefs.jsonl", 30, 0)
     cells = {s: ["--method", "dpo", "--dataset", str(data), "--strategy", s, "--max_steps", "2", "--eval_fraction", "0",
                  "--per_device_train_batch_size", str(MICRO_BATCH), "--comm_profile_steps", "0",
                  "--output_dir", str(root / s)] for s in DPO_STRATEGIES}

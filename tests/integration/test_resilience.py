@@ -22,7 +22,7 @@ from hftk.engine.resilience import EXIT_NONFINITE, EXIT_PREEMPTED
 from tests.faults import (RUN_ARGS, SAVE_STEPS, STEPS, fault_step, reference_run, side_by_side, start, wait_for_step,
                           worker_pid)
 from tests.helpers import (FINETUNE, ROOT, TINY_ARGS, Launch, free_port, load_weights, losses, max_weight_diff, metrics,
-                           python, torchrun)
+                           preference_pairs, python, torchrun)
 
 pytestmark = pytest.mark.slow
 WORKERS = ROOT / "tests" / "workers"
@@ -444,11 +444,7 @@ def test_sigterm_during_dpo_saves_exits_75_and_the_resume_equals_the_uninterrupt
     """DPO under the Trainer's preemption path: SIGTERM as scancel sends it (steps slowed so it lands mid-run)
     seals one checkpoint and exits 75 on both ranks; resuming it gives the uninterrupted run's losses, DPO
     rewards and final weights (the reference is reloaded, not checkpointed)."""
-    words = "blue cat dog moon lamp rock".split()
-    data = tmp_path / "prefs.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Repeat {w}:", "chosen": f" {w} {w}",
-                                        "rejected": f" {o} {o}"}) + "\n"
-                            for i, w in enumerate(words * 8) for o in [words[(i + 1) % len(words)]]))
+    data = preference_pairs(tmp_path / "prefs.jsonl", 48, 0)
     args = [*TINY_ARGS, "--method", "dpo", "--dataset", str(data), "--max_steps", "8", "--eval_fraction", "0",
             "--per_device_train_batch_size", "4", "--save_strategy", "no"]
     reference = tmp_path / "uninterrupted"

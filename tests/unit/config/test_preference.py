@@ -34,7 +34,6 @@ def test_yaml_training_method_and_cli(tmp_path) -> None:
     (["--max_length", "0"], "training.max_length"),
     (["--method", "dpo", "--lora_r", "8", "--ref_model_name_or_path", "x"], "training.ref_model_name_or_path"),
     (["--method", "dpo", "--tokenized_path", "tok"], "data.tokenized_path"),
-    (["--method", "dpo", "--strategy", "fsdp", "--precompute_ref_log_probs"], "training.precompute_ref_log_probs"),
 ])
 def test_bad_values_name_the_field(argv, field) -> None:
     with pytest.raises(HftkError) as info:
@@ -112,3 +111,11 @@ def test_preprocess_of_preference_pairs_is_one_line_and_writes_nothing(tmp_path,
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and err[0].startswith("hftk: error: data.tokenized_path: TRL's DPOTrainer"), err
     assert not (tmp_path / "tok").exists()
+
+
+def test_precomputed_log_probs_are_refused_by_the_support_table_under_fsdp_only() -> None:
+    with pytest.raises(HftkError) as info:
+        support.check_method("fsdp", "dpo", 0, precompute_ref_log_probs=True)
+    assert info.value.field == "training.precompute_ref_log_probs" and "strategy fsdp" in info.value.problem
+    for strategy in ("ddp", "zero1", "zero2", "zero3", "zero3_offload"):
+        support.check_method(strategy, "dpo", 0, precompute_ref_log_probs=True)
