@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from hftk.plan.types import MAX_REUSE_DISTANCE
-from tests.helpers import finetune_cells, metrics
+from tests.helpers import finetune_cells, metrics, preference_pairs
 
 STEPS, NEW = 2, 8
 PROMPTS = ["And God said, Let there be", {"messages": [{"role": "user", "content": "Who made the heaven?"}]},
@@ -103,9 +103,7 @@ def runs(tmp_path_factory):
                                    {"role": "assistant", "content": f"Verse {i}: and God saw that it was good."}]}
                      for i in range(80)]
     (root / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in conversations))
-    from tests.integration.test_dpo import _preferences
-
-    _preferences(root / "prefs.jsonl", 64, 0)
+    preference_pairs(root / "prefs.jsonl", 64, 0)
     cells["dpo"] = [*COMMON, "--method", "dpo", "--dataset", str(root / "prefs.jsonl"), "--eval_fraction", "0.2",
                     "--num_eval_samples", "2", "--output_dir", str(root / "dpo")]
     cells["heldout"] = [*COMMON, "--dataset", str(root / "chat.jsonl"), "--num_eval_samples", "2",
