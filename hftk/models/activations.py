@@ -78,8 +78,12 @@ def _trace(model: torch.nn.Module, block_class: type, seq_len: int, attention: s
     block_inputs: dict[int, int] = {}
     per_block: list[dict[int, int]] = []
     current: list[dict[int, int] | None] = [None]  # the block being run, None outside every block
+    # Every storage counted stays alive until the trace ends: a block input autograd does not keep would
+    # otherwise be freed and its address reused by a later storage, which would then go uncounted.
+    counted: list[torch.Tensor] = []
 
     def keep(into: dict[int, int], tensor: torch.Tensor) -> None:
+        counted.append(tensor)
         storage = tensor.untyped_storage()
         if storage._cdata not in params:
             into.setdefault(storage._cdata, storage.nbytes())
