@@ -17,6 +17,9 @@ launcher's variables and those read when a run uses them (hftk's ``HFTK_*``, acc
 torch's ``PYTORCH_NVML_BASED_CUDA_CHECK``, read when CUDA is asked for; pytest's own) gets a server
 started with that environment (one per distinct difference, kept for the session).
 
+Programs that start ranks themselves (``hftk bench``) use :mod:`tests.warm_torchrun`, torchrun's command line
+on this server.
+
 Launch behaviour itself (the README's commands, ``accelerate launch`` guards, elastic restarts,
 SIGKILL / SIGTERM, multi-node, SLURM) keeps the real launchers; everything else runs here.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -153,11 +157,20 @@ def _own_wandb_media_dir() -> None:
     atexit.register(shutil.rmtree, private.MEDIA_TMP.name, ignore_errors=True)
 
 
-def supervise(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
-    """The cell's agent: its own session, the agent store, N forked ranks, torchrun's exit status."""
+def supervise(conn: socket.socket, request: dict[str, Any], fds: list[int], key: tuple[tuple[str, str], ...]) -> None:
+    """The cell's agent: its own session, the agent store, N forked ranks, torchrun's exit status. A request
+    whose environment needs another server (``key``: this one's, see :func:`server_key`) is refused, and a
+    client that goes away (killed on its own timeout) takes the ranks with it."""
     os.setsid()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
+    differs = sorted(k for k in set(dict(key)) | set(dict(server_key(request["env"])))
+                     if dict(key).get(k) != request["env"].get(k))
+    if differs:
+        os.write(fds[1], f"warm launch refused: this server was started without the cell's {', '.join(differs)}; "
+                         f"start one with that environment (tests.warm.server_for)\n".encode())
+        conn.sendall(json.dumps({"returncode": 2}).encode() + b"\n")
+        os._exit(0)
     nproc, store = request["nproc"], None
     port, run_id = free_port(), uuid.uuid4().hex
     pids = {}
@@ -179,10 +192,15 @@ def supervise(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> N
                 if pids[pid] not in codes:
                     os.kill(pid, signal.SIGKILL)
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG if deadline is not None else 0)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             break
         if pid == 0:
+            if _client_gone(conn):
+                for other in pids:
+                    if pids[other] not in codes:
+                        os.kill(other, signal.SIGKILL)
+                os._exit(1)
             time.sleep(0.05)
             continue
         if pid not in pids:
@@ -204,9 +222,16 @@ def supervise(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> N
     os._exit(0)
 
 
+def _client_gone(conn: socket.socket) -> bool:
+    """The client closed its end (it sends nothing after its request): readable with nothing to read."""
+    readable, _, _ = select.select([conn], [], [], 0)
+    return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
+
+
 def serve(path: str, plain: bool) -> None:
     """Preload, then fork a supervisor for every request until the test process goes away."""
     parent = os.getppid()
+    key = server_key(dict(os.environ))  # what a cell's environment must match (before the settings below)
     # pyarrow's bundled jemalloc starts a background thread at load; a fork copies its locks but not the
     # thread, and ranks forked from here crashed (SIGSEGV) now and then. The server must fork single-threaded.
     os.environ["JE_ARROW_MALLOC_CONF"] = "background_thread:false"
@@ -231,7 +256,7 @@ def serve(path: str, plain: bool) -> None:
             message += conn.recv(1 << 16)
         if os.fork() == 0:
             listener.close()
-            supervise(conn, json.loads(message[8:]), fds)
+            supervise(conn, json.loads(message[8:]), fds, key)
         conn.close()
         for fd in fds:
             os.close(fd)
@@ -300,6 +325,17 @@ def shutdown() -> None:
         server.close()
 
 
+def submit(conn: socket.socket, path: str, request: dict[str, Any], fds: list[int]) -> tuple[Any, int]:
+    """Send ``request`` with ``fds`` (the ranks' stdout and stderr) to the server at ``path``: the reader of its
+    replies (the exit status comes as the next line) and the supervisor's pid (its process group: the cell)."""
+    conn.connect(path)
+    message = json.dumps(request).encode()
+    socket.send_fds(conn, [len(message).to_bytes(8, "big") + message], fds)
+    reader = conn.makefile("rb")
+    conn.settimeout(60)
+    return reader, json.loads(reader.readline())["pid"]
+
+
 def launch(program: list[str], args: list[str], nproc: int, timeout: float, env: dict[str, str] | None = None,
            cwd: Path | None = None, launcher: bool = True, plain: bool = False) -> tuple[int, str, str]:
     """Run ``program`` (``[script]`` or ``["-m", module]``) with ``args`` on ``nproc`` warm ranks, as
@@ -315,12 +351,7 @@ def launch(program: list[str], args: list[str], nproc: int, timeout: float, env:
                "cwd": str(cwd or ROOT), "launcher": launcher}
     with tempfile.TemporaryFile("w+b") as out, tempfile.TemporaryFile("w+b") as err, \
             socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(server.path)
-        message = json.dumps(request).encode()
-        socket.send_fds(conn, [len(message).to_bytes(8, "big") + message], [out.fileno(), err.fileno()])
-        reader = conn.makefile("rb")
-        conn.settimeout(60)
-        pid = json.loads(reader.readline())["pid"]
+        reader, pid = submit(conn, server.path, request, [out.fileno(), err.fileno()])
         conn.settimeout(max(timeout, 1))
         try:
             line = reader.readline()

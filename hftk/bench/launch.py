@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -56,6 +57,12 @@ def threads_per_rank(most_processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, most_processes))
 
 
+# A command that starts a bench's ranks in place of ``python -m torch.distributed.run``, with its options (a
+# site's wrapper; the test suite's warm ranks, tests/warm_torchrun.py). The startup bench keeps torchrun: its
+# subject is the launcher's own start-up.
+LAUNCHER_ENV = "HFTK_BENCH_LAUNCHER"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,9 +86,20 @@ class LaunchResult:
     loadavg_after: list[float]
 
 
+def bench_command(nproc: int, *target: str, real_torchrun: bool = False) -> list[str]:
+    """The command of one bench launch: ``$HFTK_BENCH_LAUNCHER --nproc_per_node=N --nnodes=1 TARGET`` where that is
+    set (and ``real_torchrun`` is not), else :func:`torchrun_command`."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher is None or real_torchrun:
+        return torchrun_command(nproc, *target)
+    return [*shlex.split(launcher), f"--nproc_per_node={nproc}", "--nnodes=1", *target]
+
+
 def torchrun_module(nproc: int, module: str, args: list[str], work_dir: Path, timeout: float, threads: int,
-                    env: dict[str, str] | None = None, done: Callable[[], bool] | None = None) -> LaunchResult:
-    """``python -m torch.distributed.run ... -m MODULE ARGS`` (``module`` a ``.py`` path: that script) on loopback,
+                    env: dict[str, str] | None = None, done: Callable[[], bool] | None = None,
+                    real_torchrun: bool = False) -> LaunchResult:
+    """``python -m torch.distributed.run ... -m MODULE ARGS`` (``module`` a ``.py`` path: that script) on loopback
+    (or :data:`LAUNCHER_ENV`'s command unless ``real_torchrun``),
     logged to ``work_dir/log.txt``: its wall time and the load average around it (no ranks). Raises RuntimeError with the log's tail on failure or
     after ``timeout``. ``done`` says whether every rank has written its results: a launch that then fails to
     exit (a hung teardown) is killed after a grace period instead of costing the whole timeout."""
@@ -91,8 +109,9 @@ def torchrun_module(nproc: int, module: str, args: list[str], work_dir: Path, ti
     log_path = work_dir / "log.txt"
     before, start = list(os.getloadavg()), time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(torchrun_command(nproc, *([module] if module.endswith(".py") else ["-m", module]), *args), stdout=log, stderr=subprocess.STDOUT,
-                                env=full_env, start_new_session=True)
+        target = [module] if module.endswith(".py") else ["-m", module]
+        proc = subprocess.Popen(bench_command(nproc, *target, *args, real_torchrun=real_torchrun), stdout=log,
+                                stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
         code = _wait(proc, timeout, done)
     if code is None:
         raise RuntimeError(f"bench launch timed out after {timeout:.0f}s ({work_dir}):\n{_tail(log_path)}")

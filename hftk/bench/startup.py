@@ -58,7 +58,8 @@ def run_startup_bench(out_dir: Path, nprocs: list[int] = [1, 2], model: str = "b
                                                        str(block_size), "--micro_batch", str(micro_batch),
                                                        "--max_steps", str(max_steps)]
                     done = record.exists
-                launch = torchrun_module(nproc, target, args, work, timeout, threads_per_rank(max(nprocs)), done=done)
+                launch = torchrun_module(nproc, target, args, work, timeout, threads_per_rank(max(nprocs)), done=done,
+                                         real_torchrun=True)
                 seconds = _hftk_record(work) if variant == "hftk" else json.loads(record.read_text())
                 if rep >= 0:
                     runs.append({"variant": variant, "nproc": nproc, "repeat": rep, "seconds": seconds,

@@ -5,13 +5,17 @@ number, every bench run monitored on every rank."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from hftk.bench.cli import BENCHES, available
+from hftk.bench.launch import LAUNCHER_ENV, threads_per_rank
 from hftk.bench.report import numeric_leaves, unmeasured
 from hftk.bench.startup import PHASES as STARTUP_PHASES
-from tests.helpers import python, require_ranks
+from tests import warm
+from tests.helpers import ROOT, python, require_ranks
+from tests.warm_torchrun import SOCKET_ENV
 
 REDUCED = [
     "--model", "builtin:gpt2-tiny", "--block_size", "64", "--nproc", "2",
@@ -34,7 +38,12 @@ REDUCED = [
 def report(tmp_path_factory):
     require_ranks(2)  # --nproc 2
     out = tmp_path_factory.mktemp("bench") / "report"
-    result = python(["-m", "hftk.cli", "bench", "all", "--out", str(out), *REDUCED], timeout=900)
+    # the benches' ranks on warm ranks (tests/warm_torchrun.py), forked from a server with the environment
+    # bench launches give them; the startup bench keeps torchrun, whose start-up it measures
+    ranks = warm.server_for(warm.cell_env({"OMP_NUM_THREADS": str(threads_per_rank(2)), "TOKENIZERS_PARALLELISM": "false"}))
+    launcher = {LAUNCHER_ENV: f"{sys.executable} {ROOT / 'tests' / 'warm_torchrun.py'}", SOCKET_ENV: ranks.path}
+    ranks.wait_ready()
+    result = python(["-m", "hftk.cli", "bench", "all", "--out", str(out), *REDUCED], timeout=900, env=launcher)
     return out, result
 
 

@@ -90,3 +90,39 @@ def test_a_cell_that_used_wandb_leaves_the_next_cells_media_folder_alone(tmp_pat
         assert line.endswith(" True"), line
         folders.append(line.split()[1])
     assert folders[0] != folders[1] and not any(os.path.exists(f) for f in folders)  # each its own, removed at exit
+
+
+def test_the_torchrun_command_line_on_warm_ranks_reports_crashes_refuses_another_environment_and_dies_with_its_ranks():
+    """tests/warm_torchrun.py, what hftk bench launches in the suite: a crash comes back as torchrun's status with
+    the ranks' output; a cell whose environment needs another server is refused by name; killing the command
+    (the bench's own timeout) kills its ranks."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests import warm
+    from tests.warm_torchrun import SOCKET_ENV
+
+    server = warm.server_for(warm.cell_env())
+    server.wait_ready()
+    command = [sys.executable, str(ROOT / "tests" / "warm_torchrun.py"), "--nproc_per_node=2", "--nnodes=1", str(MISBEHAVE)]
+    env = warm.cell_env({SOCKET_ENV: server.path})
+
+    crashed = subprocess.run([*command, "crash"], env=env, capture_output=True, text=True, timeout=120)
+    assert crashed.returncode == 1 and "RuntimeError: rank 1 fails on purpose" in crashed.stderr, crashed
+    elsewhere = subprocess.run([*command, "crash"], env={**env, "HF_ENDPOINT": "http://127.0.0.1:9"},
+                               capture_output=True, text=True, timeout=60)
+    assert elsewhere.returncode == 2 and "started without the cell's HF_ENDPOINT" in elsewhere.stderr, elsewhere
+
+    hung = subprocess.Popen([*command, "hang"], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    pids, seen = [], []
+    while len(pids) < 2 and (line := hung.stdout.readline()):  # "rank R pid P" from both ranks
+        seen.append(line)
+        pids += [int(p) for p in re.findall(r"rank \d pid (\d+)", line)]
+    assert len(pids) == 2, seen
+    os.killpg(hung.pid, signal.SIGKILL)
+    hung.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "a rank outlived its killed launcher"
