@@ -88,11 +88,11 @@ def torchrun(nproc: int, script: Path | str, args: list[str], timeout: float = 3
              env: dict[str, str] | None = None, extra: list[str] | None = None, real: bool = False) -> Launch:
     """``script`` on ``nproc`` ranks as ``torchrun --nproc_per_node nproc`` starts them (nproc == 1: one plain
     process, as ``python script``), on warm ranks (tests/warm.py). ``real`` (a test of what the launcher
-    itself does), a multi-node launch or launcher options (``extra``) go through the real
-    ``python -m torch.distributed.run`` on loopback."""
+    itself does), a multi-node launch or launcher options (``extra``, other than ``["-m"]``: ``script`` is a
+    module) go through the real ``python -m torch.distributed.run`` on loopback."""
     require_ranks(nproc * nnodes)
-    if nnodes == 1 and not extra and not real:
-        return Launch(*warm.launch([str(script)], args, nproc, timeout, env, launcher=nproc > 1))
+    if nnodes == 1 and extra in (None, [], ["-m"]) and not real:  # ["-m"]: ``script`` names a module
+        return Launch(*warm.launch([*(extra or []), str(script)], args, nproc, timeout, env, launcher=nproc > 1))
     return run(torchrun_command(nproc, *(extra or []), str(script), *args, nnodes=nnodes), timeout, env)
 
 

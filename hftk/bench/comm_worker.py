@@ -148,6 +148,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from hftk.run.prepare import exit_without_teardown
+    from hftk.core.teardown import exit_without_teardown
 
     exit_without_teardown(main())  # skips gloo's teardown abort

@@ -149,6 +149,6 @@ def write_record(out: Path, strategy: str, device_type: str, ranks: list[dict[st
 
 
 if __name__ == "__main__":
-    from hftk.run.prepare import exit_without_teardown
+    from hftk.core.teardown import exit_without_teardown
 
     exit_without_teardown(main())  # skips gloo's teardown abort

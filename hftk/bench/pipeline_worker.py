@@ -116,6 +116,6 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    from hftk.run.prepare import exit_without_teardown
+    from hftk.core.teardown import exit_without_teardown
 
     exit_without_teardown(main(sys.argv[1]))  # skips gloo's teardown abort

@@ -215,6 +215,6 @@ def teardown() -> None:
 
 
 if __name__ == "__main__":
-    from hftk.run.prepare import exit_without_teardown
+    from hftk.core.teardown import exit_without_teardown
 
     exit_without_teardown(main(sys.argv[1]))  # gloo threads now and then abort the interpreter's own teardown

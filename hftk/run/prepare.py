@@ -13,6 +13,7 @@ from hftk.config import strategy_table, support
 from hftk.config.options import RunConfig, is_main_process, load_config
 from hftk.core import allocator, output, startup
 from hftk.core.errors import HftkError, report
+from hftk.core.teardown import exit_without_teardown
 from hftk.data.dataset import check_holdouts, combined_format, load_sources
 from hftk.data.preference import load_preference_sources
 from hftk.engine.run_types import PreparedRun
@@ -168,28 +169,6 @@ def _done(cfg: RunConfig, resumed_step: int | None) -> str:
     return output.done_line(startup.elapsed(), record["global_step"], metrics.get("eval_loss"), str(final),
                             resumed_step, cfg.training.get("resume_from_checkpoint") == "latest",
                             _checkpoint_step(_resume_checkpoint(cfg.output_dir, "latest")), accuracy)
-
-
-def exit_without_teardown(code: int) -> None:
-    """Leave a finished distributed run without the interpreter's C++ teardown.
-
-    Everything is saved, pushed and flushed by now, and the engine has destroyed the process
-    group; yet now and then a rank still aborted at interpreter exit ("terminate called without
-    an active exception", a c10d/gloo thread destroyed while joinable), turning a complete run
-    into a launcher failure. Finishing trackers and flushing here, then ``os._exit``, skips only
-    that teardown. Every multi-process entry point (``hftk train``, the bench and test workers)
-    leaves through here; never call it from a process that is not its own launch's worker.
-    """
-    import logging
-    import os
-
-    wandb = sys.modules.get("wandb")
-    if wandb is not None and getattr(wandb, "run", None) is not None:
-        wandb.finish()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def preprocess_command(argv: list[str]) -> int:

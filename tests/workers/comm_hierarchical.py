@@ -89,7 +89,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from hftk.run.prepare import exit_without_teardown
+    from hftk.core.teardown import exit_without_teardown
 
     main()
     exit_without_teardown(0)  # skips gloo's teardown abort

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hftk.launch.configs import launcher_strategy
-from hftk.run.prepare import exit_without_teardown
+from hftk.core.teardown import exit_without_teardown
 
 if torch.cuda.is_available():  # NCCL reduces device tensors only: each rank on its own GPU
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

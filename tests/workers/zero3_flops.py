@@ -13,7 +13,7 @@ import deepspeed  # noqa: E402  (after the group: zero.Init partitions over it)
 
 from hftk.config.options import ModelConfig  # noqa: E402
 from hftk.models.loading import load_model  # noqa: E402
-from hftk.run.prepare import exit_without_teardown  # noqa: E402
+from hftk.core.teardown import exit_without_teardown  # noqa: E402
 from hftk.telemetry.rank_monitor import flops_per_token  # noqa: E402
 
 whole = load_model(ModelConfig(model_name_or_path="builtin:gpt2-tiny", model_dropout=0.0))
