@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from hftk.plan.types import MAX_REUSE_DISTANCE
-from tests.helpers import finetune_cells, metrics, preference_pairs
+from tests.helpers import finetune_cells, make_family, metrics, preference_pairs
 
 STEPS, NEW = 2, 8
 PROMPTS = ["And God said, Let there be", {"messages": [{"role": "user", "content": "Who made the heaven?"}]},
@@ -47,6 +47,7 @@ RUNS = {"ddp": ["--report_to", "tensorboard"], "lora": [*LORA, "--report_to", "w
         "pipeline": PIPELINE, "lora_pipeline": [*PIPELINE, *LORA],
         "sp": ["--strategy", "sp", "--sp_size", "2", "--model_name_or_path", "builtin:llama-tiny",
                "--learning_rate", "1e-2"]}
+FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2")  # ddp on each claimed family beside the built-in GPT-2's runs
 UNEVEN = ["zero3", "fsdp"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -99,6 +100,9 @@ def runs(tmp_path_factory):
     (root / "uneven.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (stop_now, run_on)))
     cells = {name: [*COMMON, *extra, "--eval_prompts", str(root / "prompts.jsonl"), "--output_dir", str(root / name)]
              for name, extra in RUNS.items()}
+    for family in FAMILIES:
+        cells[f"ddp_{family}"] = [*COMMON, "--model_name_or_path", str(make_family(family, root / f"{family}_model")),
+                                  "--eval_prompts", str(root / "prompts.jsonl"), "--output_dir", str(root / f"ddp_{family}")]
     conversations = [{"messages": [{"role": "user", "content": f"Say verse {i}."},
                                    {"role": "assistant", "content": f"Verse {i}: and God saw that it was good."}]}
                      for i in range(80)]
@@ -146,12 +150,12 @@ def _reference_model(run: str, checkpoint: Path):
             if isinstance(module, Linear4bit):
                 module.support_avx512bf16_for_cpu = False
         return PeftModel.from_pretrained(base, checkpoint)
-    if run in ("ddp", "chat_tokens"):
+    if run.startswith("ddp") or run == "chat_tokens":
         return AutoModelForCausalLM.from_pretrained(checkpoint)
     return load(checkpoint)[0]
 
 
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("run", [*RUNS, *(f"ddp_{family}" for family in FAMILIES)])
 def test_samples_equal_one_process_generate_on_the_checkpoint_of_each_step(runs, run):
     from transformers import AutoTokenizer
 
