@@ -39,7 +39,9 @@ LORA = ["--lora_r", "4", "--learning_rate", "0.1"]
 PIPELINE = ["--strategy", "pipeline", "--pp_size", "2", "--pp_microbatches", "2"]
 RUNS = {"ddp": ["--report_to", "tensorboard"], "lora": [*LORA, "--report_to", "wandb"],
         "chat_tokens": ["--add_chat_tokens", "true"],  # the markers become tokens, <|im_end|> an EOS
-        "qlora": [*LORA, "--load_in_4bit"], "lora_fsdp": [*LORA, "--strategy", "fsdp", "--fsdp_state_dict", "full"],
+        "qlora": [*LORA, "--load_in_4bit"],
+        "qlora_fsdp": [*LORA, "--load_in_4bit", "--strategy", "fsdp", "--fsdp_state_dict", "full"],
+        "lora_fsdp": [*LORA, "--strategy", "fsdp", "--fsdp_state_dict", "full"],
         "lora_zero3": [*LORA, "--strategy", "zero3"], "zero3": ["--strategy", "zero3"], "fsdp": ["--strategy", "fsdp"],
         "zero1": ["--strategy", "zero1"], "zero2": ["--strategy", "zero2"], "zero3_offload": ["--strategy", "zero3_offload"],
         # hftk's own loop: generated on the weights consolidated on rank 0
@@ -138,7 +140,7 @@ def _reference_model(run: str, checkpoint: Path):
     if run.startswith("lora"):
         return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(materialize_model("builtin:gpt2-tiny")),
                                          checkpoint)
-    if run == "qlora":  # the base quantized as the run's defaults say (nf4, double quantization, fp32 compute)
+    if run.startswith("qlora"):  # the base quantized as the run's defaults say (nf4, double quantization, fp32 compute)
         from bitsandbytes.nn import Linear4bit
         from transformers import BitsAndBytesConfig
 
