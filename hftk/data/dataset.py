@@ -357,8 +357,8 @@ def split_rows(cfg: DataConfig, raw: Any, seed: int) -> tuple[Any, Any | None]:
 
 def heldout_prompts(sources: list[Source], count: int, seed: int) -> list[str | list[dict[str, Any]]]:
     """The prompt part of the first ``count`` held-out rows, dataset after dataset: a pair's (or a preference
-    pair's) prompt, a conversation's turns before its last assistant turn (rendered later with the generation
-    prompt)."""
+    pair's) prompt, an implicit-prompt preference pair's shared start, a conversation's turns before its last
+    assistant turn (rendered later with the generation prompt)."""
     prompts: list[str | list[dict[str, Any]]] = []
     for source in sources:
         evals = split_rows(source.cfg, source.raw, seed)[1]
@@ -367,6 +367,10 @@ def heldout_prompts(sources: list[Source], count: int, seed: int) -> list[str | 
                 turns = row[MESSAGES]
                 last = max(i for i, turn in enumerate(turns) if turn["role"] == "assistant")
                 prompts.append([{"role": t["role"], "content": t["content"]} for t in turns[:last]])
+            elif source.fmt.endswith("_implicit_prompt"):  # no prompt column: the start the pair shares, as TRL splits it
+                from trl.data_utils import extract_prompt
+
+                prompts.append(extract_prompt(dict(row))["prompt"])
             else:
                 prompts.append(row[source.cfg.prompt_field])
     return prompts

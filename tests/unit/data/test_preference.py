@@ -84,3 +84,37 @@ def test_preference_datasets_of_different_formats_are_refused_by_name(tmp_path) 
         _sources(tmp_path, f"    - {a}\n    - {b}\n")
     assert info.value.field == "data.datasets[1]"
     assert "holds conversational pairs" in info.value.problem and "standard ones" in info.value.problem
+
+
+@pytest.mark.parametrize("messages", [False, True], ids=["standard", "conversational"])
+def test_held_out_prompts_of_implicit_prompt_pairs_are_the_shared_start_trl_splits_off(tmp_path, messages) -> None:
+    """--num_eval_samples on pairs without a 'prompt' column: the prompt TRL's extract_prompt finds (the longest
+    shared start; for conversations, the turns before the answer)."""
+    import json
+
+    from trl.data_utils import extract_prompt
+
+    from hftk.data.dataset import heldout_prompts
+
+    path = tmp_path / "implicit.jsonl"
+    with path.open("w") as f:
+        for i in range(10):
+            if messages:
+                ask = [{"role": "user", "content": f"Colour {i}?"}]
+                row = {"chosen": [*ask, {"role": "assistant", "content": "Blue."}],
+                       "rejected": [*ask, {"role": "assistant", "content": "Green."}]}
+            else:
+                row = {"chosen": f"Sky {i} is blue.", "rejected": f"Sky {i} is green."}
+            f.write(json.dumps(row) + "\n")
+    sources = _sources(tmp_path, f"    - {path}\n", "--eval_fraction", "0.3")
+    assert sources[0].fmt.endswith("_implicit_prompt")
+    prompts = heldout_prompts(sources, 2, 42)
+    held_out = split_rows_of(sources[0])
+    assert len(prompts) == 2 and prompts == [extract_prompt(dict(row))["prompt"] for row in held_out.select(range(2))]
+    assert prompts[0] == (held_out[0]["chosen"][:1] if messages else held_out[0]["chosen"].rsplit(" ", 1)[0])
+
+
+def split_rows_of(source):
+    from hftk.data.dataset import split_rows
+
+    return split_rows(source.cfg, source.raw, 42)[1]
