@@ -22,29 +22,37 @@ TOLERANCE = 0.05
 # ---- plan accuracy: every strategy, 2 ranks, launched through its generated YAML ----
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    """One short run per strategy (2 optimizer steps, 2 ranks), each with what accelerate_configs/<s>.yaml
-    launches; ddp's through `--strategy auto`, which must pick it for the tiny model.
-
-    `accelerate launch` of each YAML starts tests/workers/launch_probe.py (2 real ranks report the strategy
-    hftk reads and hand back the ACCELERATE_* / FSDP_* variables the launch set); the six measured runs then
-    run on warm ranks, each cell with its YAML's variables (``finetune_cells``)."""
-    root = tmp_path_factory.mktemp("plan")
-    probes, options, cells = {}, {}, {}
+def launched(tmp_path_factory):
+    """`accelerate launch` of each strategy's YAML starts tests/workers/launch_probe.py: 2 real ranks report the
+    strategy hftk reads and hand back the ACCELERATE_* / FSDP_* variables the launch set. Returns, per strategy,
+    the probes and those variables (the measured runs replay them on warm ranks)."""
+    root = tmp_path_factory.mktemp("launched")
+    result = {}
     for strategy in PLAN_STRATEGIES:
         env_out = root / f"{strategy}.env.json"
         cmd = [str(ACCELERATE), "launch", "--config_file", f"accelerate_configs/{strategy}.yaml",
                "--main_process_port", str(free_port()), str(ROOT / "tests" / "workers" / "launch_probe.py"), str(env_out)]
         launch = run(cmd, timeout=300)
         assert launch.returncode == 0, f"{strategy}:\n{launch.output[-5000:]}"
-        probes[strategy] = [json.loads(line[len("PROBE "):]) for line in launch.stdout.splitlines()
-                            if line.startswith("PROBE ")]
-        options[strategy] = {"env": json.loads(env_out.read_text()), "memory_out": root / f"{strategy}.json"}
+        probes = [json.loads(line[len("PROBE "):]) for line in launch.stdout.splitlines() if line.startswith("PROBE ")]
+        result[strategy] = probes, json.loads(env_out.read_text())
+    return result
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, launched):
+    """One short run per strategy (2 optimizer steps, 2 ranks), each with what accelerate_configs/<s>.yaml
+    launches (its variables, :func:`launched`; ``finetune_cells`` on warm ranks); ddp's through
+    `--strategy auto`, which must pick it for the tiny model."""
+    root = tmp_path_factory.mktemp("plan")
+    options, cells = {}, {}
+    for strategy in PLAN_STRATEGIES:
+        options[strategy] = {"env": launched[strategy][1], "memory_out": root / f"{strategy}.json"}
         cells[strategy] = ["--max_steps", "2", "--per_device_train_batch_size", str(MICRO_BATCH),
                            "--comm_profile_steps", "0", "--output_dir", str(root / strategy),
                            *(["--strategy", "auto"] if strategy == "ddp" else [])]
     outputs = finetune_cells(2, cells, root, options=options)
-    return {s: (json.loads((root / f"{s}.json").read_text()), outputs[s], probes[s]) for s in PLAN_STRATEGIES}
+    return {s: (json.loads((root / f"{s}.json").read_text()), outputs[s], launched[s][0]) for s in PLAN_STRATEGIES}
 
 
 @pytest.mark.slow
@@ -105,15 +113,19 @@ DPO_STRATEGIES = ("ddp", "zero2", "fsdp", "zero3")
 
 
 @pytest.fixture(scope="module")
-def dpo_measured(tmp_path_factory):
+def dpo_measured(tmp_path_factory, launched):
     """One short DPO run per strategy through the memory worker (2 warm ranks), which counts the reference's
-    local bytes beside the policy's model state."""
+    local bytes beside the policy's model state; each as its YAML launches it (the launch's variables name the
+    strategy: no --strategy but ddp's, whose YAML names none)."""
     root = tmp_path_factory.mktemp("plan_dpo")
     data = preference_pairs(root / "prefs.jsonl", 30, 0)
-    cells = {s: ["--method", "dpo", "--dataset", str(data), "--strategy", s, "--max_steps", "2", "--eval_fraction", "0",
-                 "--per_device_train_batch_size", str(MICRO_BATCH), "--comm_profile_steps", "0",
-                 "--output_dir", str(root / s)] for s in DPO_STRATEGIES}
-    finetune_cells(2, cells, root, options={s: {"memory_out": root / f"{s}.json"} for s in DPO_STRATEGIES})
+    cells = {s: ["--method", "dpo", "--dataset", str(data), *(["--strategy", "ddp"] if s == "ddp" else []),
+                 "--max_steps", "2", "--eval_fraction", "0", "--per_device_train_batch_size", str(MICRO_BATCH),
+                 "--comm_profile_steps", "0", "--output_dir", str(root / s)] for s in DPO_STRATEGIES}
+    outputs = finetune_cells(2, cells, root, options={s: {"env": launched[s][1], "memory_out": root / f"{s}.json"}
+                                                      for s in DPO_STRATEGIES})
+    for s in DPO_STRATEGIES:
+        assert s == "ddp" or f"hftk: strategy {s} from the launch" in outputs[s], outputs[s][-3000:]
     return {s: json.loads((root / f"{s}.json").read_text()) for s in DPO_STRATEGIES}
 
 
