@@ -331,15 +331,39 @@ def share_fp32_master(zero: Any) -> int:
     return freed
 
 
-def save_final(trainer: Any, out_dir: Path) -> None:
-    """The Trainer gathers ZeRO-3 partitions (16-bit gather flag on); then prove the folder complete.
-
-    ZeRO-1/2 hold the whole module on every rank: its own state dict is saved. The Trainer's ``save_model``
+def _save_whole_module(trainer: Any, out_dir: str) -> None:
+    """ZeRO-1/2 hold the whole module on every rank: its own state dict is saved. The Trainer's ``save_model``
     takes accelerate's ``get_state_dict``, which clones every tensor for DeepSpeed and so unties a tied LM
-    head from its embedding: ``save_pretrained`` then finds no shared storage and writes the head twice.
-    """
+    head from its embedding: ``save_pretrained`` then finds no shared storage and writes the head twice."""
+    if trainer.args.should_save:
+        trainer._save(out_dir, state_dict=trainer.accelerator.unwrap_model(trainer.model).state_dict())
+
+
+class _WholeModuleCheckpoints:
+    """ZeRO-1/2's ``checkpoint-N`` model files as ``final/``'s (:func:`_save_whole_module`): the tied head once."""
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not _internal_call:  # a user's call (and its Hub push): the Trainer's own
+            return super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+        _save_whole_module(self, output_dir or self.args.output_dir)  # type: ignore[attr-defined]
+
+
+def trainer_factory(cfg: RunConfig, base: type | None = None) -> Any:
+    """The Trainer class the engine builds: under ZeRO-1/2 ``base`` (the Trainer, or TRL's DPOTrainer) with
+    :class:`_WholeModuleCheckpoints` ahead of it in the MRO; under ZeRO-3 ``base`` itself."""
+    from transformers import Trainer
+
+    base = base or Trainer
+    if STRATEGIES[cfg.strategy.strategy].zero_stage == 3:
+        return base
+    return type(f"WholeModule{base.__name__}", (_WholeModuleCheckpoints, base), {})
+
+
+def save_final(trainer: Any, out_dir: Path) -> None:
+    """ZeRO-1/2 save the module each rank holds (:func:`_save_whole_module`); the Trainer gathers ZeRO-3
+    partitions (16-bit gather flag on); then prove the folder complete."""
     if trainer.model_wrapped.zero_optimization_stage() < 3:
-        trainer._save(str(out_dir), state_dict=trainer.accelerator.unwrap_model(trainer.model).state_dict())
+        _save_whole_module(trainer, str(out_dir))
     else:
         trainer.save_model(str(out_dir))
     if trainer.args.should_save:
