@@ -510,7 +510,8 @@ def _evaluate(run: Run) -> dict[str, float]:
 
 def _sample(run: Run) -> None:
     """Generation samples at this step, once (the samples options). Collective: the weights are consolidated on
-    rank 0, which generates, writes and reports the rows; every rank waits for it here (not in the next step's
+    rank 0 (in host memory; then on the device where they fit, :func:`samples.sampling_device`), which generates,
+    writes and reports the rows; every rank waits for it here (not in the next step's
     time) and logs ``sample_time_s``."""
     step = run.state.global_step
     if not run.prompts or step in run.sampled:
@@ -520,7 +521,8 @@ def _sample(run: Run) -> None:
     model = run.step.consolidated_model(run.adapter[0] if run.adapter is not None else None)
     if model is not None:
         cfg = run.prepared.cfg
-        rows = samples.sample(model, run.tokenizer, run.prompts, cfg, step, run.step.device, shared=False,
+        device = samples.sampling_device(model, run.step.device)
+        rows = samples.sample(model.to(device), run.tokenizer, run.prompts, cfg, step, device, shared=False,
                               signal=run.signal)
         if run.signal.received is None:  # else the rows stopped short: the ranks agree to stop just below
             report_samples(rows, cfg.output_dir, run.handler.callbacks, run.args, step)

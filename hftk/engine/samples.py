@@ -10,7 +10,8 @@ gathers more than a training forward does (plus, under FSDP2, the root's own gro
 Replicated models (ddp, zero1/2, LoRA under them) generate independently.
 Rank 0 writes and reports the rows (:mod:`hftk.telemetry.samples`); the time is logged as ``sample_time_s``.
 The custom loop (:mod:`hftk.engine.loop`) cannot generate sharded: it calls :func:`sample` on rank 0 alone with
-the weights its step consolidates there (``consolidated_model``).
+the weights its step consolidates there (``consolidated_model``, in host memory), on the run's device where the
+copy fits beside training (:func:`sampling_device`), else on the CPU, said in one line.
 It runs between optimizer steps (``on_evaluate``, ``on_train_end``), outside the step window
 :class:`hftk.telemetry.metrics.MetricsCallback` times, so it never counts in tokens/s or MFU.
 """
@@ -59,6 +60,22 @@ def _fsdp_root(model: Any) -> Any:
     from torch.distributed.fsdp import FSDPModule
 
     return model if isinstance(model, FSDPModule) else None
+
+
+def sampling_device(model: torch.nn.Module, device: torch.device) -> torch.device:
+    """Where rank 0 samples the custom loop's consolidated copy: ``device``, unless that is a GPU whose memory
+    left (free, plus what torch's allocator holds unused) cannot take the whole copy with a tenth to spare beside
+    the training state; then the CPU (slow, not out of memory mid-run), said in one line."""
+    if device.type != "cuda":
+        return device
+    copy = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    free, _ = torch.cuda.mem_get_info(device)
+    left = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if copy * 1.1 <= left:
+        return device
+    print(f"hftk: samples: the consolidated model ({copy / 2**30:.2f} GiB) does not fit beside training on {device} "
+          f"({left / 2**30:.2f} GiB left): rank 0 samples it on the CPU", flush=True)
+    return torch.device("cpu")
 
 
 def stop_reason(tokens: list[int], config: Any) -> str:

@@ -267,13 +267,12 @@ class MeshStep:
 
     def consolidated_model(self, adapter: Any = None) -> torch.nn.Module | None:
         """Collective: every shard gathered to rank 0, which gets a one-process HF model of the current weights
-        (on this step's device; the other ranks get None). Generation samples run on it: a tensor-, context- or
+        (in host memory: the engine places it; the other ranks get None). Generation samples run on it: a tensor-, context- or
         sequence-parallel forward takes whole sequences of fixed shapes, not ``generate``'s growing ones.
         ``adapter`` is always None here: tp, cp and sp refuse LoRA."""
         from hftk.strategies.mesh_checkpoint import gathered_model
 
-        model = gathered_model(self.layout)
-        return model.to(self.device) if model is not None else None
+        return gathered_model(self.layout)
 
 
 def mesh_step(model: torch.nn.Module, cfg: Any, args: Any, build_layout: Callable[..., MeshLayout]) -> MeshStep:

@@ -651,7 +651,7 @@ class PipelineStep:
 
     def consolidated_model(self, adapter: Any = None) -> nn.Module | None:
         """Collective: replica 0's stages gathered to rank 0, which gets a one-process HF model of the current
-        weights (on this step's device; the other ranks get None). Generation samples run on it: a pipeline
+        weights (in host memory: the engine places it; the other ranks get None). Generation samples run on it: a pipeline
         schedule runs fixed-shape micro-batches, not ``generate``'s token-by-token forwards. ``adapter``: the
         run's PEFT config (LoRA): the copy is the base with that adapter, under the names the stages hold."""
         from hftk.checkpoint.hf_folder import model_from
@@ -665,8 +665,8 @@ class PipelineStep:
         if self.rt.tied_names:  # the head is the embedding's tensor: the model ties it again
             state.pop(self.rt.tied_names[1], None)
         if adapter is None:
-            return model_from(self.config, state, Path("<live model>"), runnable=True).to(self.device)
-        return _peft_model(self.config, adapter, state).to(self.device)
+            return model_from(self.config, state, Path("<live model>"), runnable=True)
+        return _peft_model(self.config, adapter, state)
 
     def save_final(self, out: Path, tokenizer: Any, write_extra: Any, step: int) -> None:
         """Collective: the stages written once more, then rank 0 consolidates them into one HF folder."""

@@ -5,6 +5,7 @@ that leaves training's RNG alone, and where the prompts come from."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -93,3 +94,22 @@ def test_prompts_come_from_the_file_or_the_held_out_rows(tmp_path):
                         "--eval_fraction", "0.25", "--num_eval_samples", "3", "--output_dir", str(tmp_path / "o")])
     held_out = prepared.sources[0].raw["train"].train_test_split(test_size=0.25, seed=42, shuffle=True)["test"]
     assert prompts(prepared.cfg, prepared.sources, 42) == held_out["prompt"][:3]
+
+
+def test_the_loops_consolidated_copy_samples_on_the_gpu_only_where_it_fits_beside_training(monkeypatch, capsys):
+    """A GPU with the copy's bytes and a tenth to spare left (free, plus the allocator's unused cache) samples
+    there; with less, rank 0 samples on the CPU and says so in one line; a CPU run stays on the CPU, silently."""
+    from hftk.engine.samples import sampling_device
+
+    model = torch.nn.Linear(256, 256)  # 257 KiB of fp32
+    copy = sum(t.numel() * 4 for t in model.parameters())
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 300 << 10)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 200 << 10)  # 100 KiB cached, unused
+    enough = math.ceil(copy * 1.1) - (100 << 10)
+    for free, expected in ((enough, gpu), (enough - 1, torch.device("cpu"))):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 80 << 30))
+        assert sampling_device(model, gpu) == expected
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hftk: samples: the consolidated model") and "on the CPU" in lines[0]
+    assert sampling_device(model, torch.device("cpu")) == torch.device("cpu") and capsys.readouterr().out == ""
