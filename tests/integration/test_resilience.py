@@ -266,12 +266,12 @@ def test_a_checkpoint_saved_in_an_interrupted_evaluation_resumes(eval_preempted,
 
 @pytest.mark.parametrize("engine", ["trainer", "tp"])
 def test_sigterm_in_the_step_before_an_evaluation_saves_without_evaluating(engine, tmp_path):
-    """The signal lands inside step 2 (each step sleeps 6 s: 3 s per block, a window wide enough for torchrun's
+    """The signal lands inside step 2 (each step sleeps 4 s: 2 s per block, a window wide enough for torchrun's
     forwarding on a loaded machine); step 2's evaluation is due next and must not run."""
     from tests.workers.slow_eval import EVAL_MARKER
 
     run = start(2, [*EVAL_ARGS, *ENGINES[engine]], tmp_path / "run", script=WORKERS / "slow_eval.py",
-                env={"HFTK_TRAIN_SLEEP_S": "3", "HFTK_EVAL_SLEEP_S": str(EVAL_SLEEP_S),
+                env={"HFTK_TRAIN_SLEEP_S": "2", "HFTK_EVAL_SLEEP_S": str(EVAL_SLEEP_S),
                      "HFTK_EXIT_DIR": str(tmp_path / "exit")})
     assert wait_for_step(run, 1, timeout=300) == 1
     stopped, seconds = sigterm_as_scancel_does(run)
@@ -424,16 +424,16 @@ def test_restarts_torch_cannot_carry_out_are_refused_before_training(elastic_env
 
 
 def test_a_tokenisation_longer_than_ddp_timeout_does_not_time_out_the_waiting_rank(tmp_path):
-    """Rank 0 tokenises for 20 s (tests/workers/slow_tokenize.py) under ``--ddp_timeout 8``: rank 1 waits on the
-    launcher's store, not in a collective (in ``TrainingArguments.main_process_first``'s barrier it died after 8 s)."""
+    """Rank 0 tokenises for 12 s (tests/workers/slow_tokenize.py) under ``--ddp_timeout 5``: rank 1 waits on the
+    launcher's store, not in a collective (in ``TrainingArguments.main_process_first``'s barrier it died after 5 s)."""
     from tests.helpers import torchrun
     from tests.workers.slow_tokenize import TIMEOUT_MARKER
 
     result = torchrun(2, WORKERS / "slow_tokenize.py",
-                      [*TINY_ARGS, "--max_steps", "2", "--ddp_timeout", "8", "--output_dir", str(tmp_path / "run")],
-                      env={"HFTK_TOKENIZE_SLEEP_S": "20"}, timeout=400)
+                      [*TINY_ARGS, "--max_steps", "2", "--ddp_timeout", "5", "--output_dir", str(tmp_path / "run")],
+                      env={"HFTK_TOKENIZE_SLEEP_S": "12"}, timeout=400)
     assert result.returncode == 0, result.output[-6000:]
-    assert result.stderr.count(f"{TIMEOUT_MARKER} 8.0 s") == 2, result.stderr[-3000:]  # the timeout was in force
+    assert result.stderr.count(f"{TIMEOUT_MARKER} 5.0 s") == 2, result.stderr[-3000:]  # the timeout was in force
     assert sorted(losses(tmp_path / "run")) == [1, 2] and (tmp_path / "run" / "final" / "model.safetensors").is_file()
 
 
