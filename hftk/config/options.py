@@ -146,11 +146,13 @@ class DataConfig:
         "drop", "Conversations and prompt/completion pairs longer than block_size (under packing bfd or none): 'drop' "
         "them (counted in a summary line) or 'truncate' them to the block (conversations: only the assistant turns "
         "that end inside it keep their labels; pairs: the completion is cut, and a pair whose prompt fills the block "
-        "is dropped, never trained with no completion token).", choices=["drop", "truncate"])
+        "is dropped, never trained with no completion token). DPO's preference pairs likewise against "
+        "training.max_length.", choices=["drop", "truncate"])
     tokenized_path: str | None = _opt(
         None, "Folder of blocks written by `hftk preprocess` (tokenised, templated, masked, packed once): training "
         "reads it on every rank with no tokenisation; one made with another tokenizer, template, block size, format or "
-        "datasets is refused. For `hftk preprocess` the folder to write.")
+        "datasets is refused (--method dpo: TRL's tokenised preference pairs, refused for another method or "
+        "max_length). For `hftk preprocess` the folder to write.")
 
 
 @dataclass
@@ -254,8 +256,9 @@ class PreferenceConfig:
                        "ipo the regulariser tau.")
     loss_type: str = _opt("sigmoid", "DPO: the pairwise loss, one of TRL's: " + ", ".join(DPO_LOSS_TYPES) + ".",
                           choices=list(DPO_LOSS_TYPES))
-    max_length: int | None = _opt(None, "DPO: most tokens of prompt + completion; longer pairs are truncated "
-                                  "(keep_start, TRL's truncation). Default: data.block_size.")
+    max_length: int | None = _opt(None, "DPO: most tokens of prompt + completion; longer pairs are dropped or "
+                                  "truncated (keep_start, TRL's) as data.truncation says, with a summary line. "
+                                  "Default: data.block_size.")
     precompute_ref_log_probs: bool = _opt(False, "DPO: compute the reference model's log-probs over the data once "
                                           "before training, so no reference model is held while training.")
     ref_model_name_or_path: str | None = _opt(

@@ -1,5 +1,6 @@
 """Preference rows for DPO: TRL's formats (standard strings, conversational message lists, implicit prompt)
-checked row by row before any process group; tokenising them is TRL's DPOTrainer's job."""
+checked row by row before any process group; tokenised by TRL's DPOTrainer's own code (also for ``hftk
+preprocess``), then held to ``training.max_length`` as ``data.truncation`` says, with a summary line."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from hftk.core.errors import HftkError
 
+PAIR_IDS = ("prompt_ids", "chosen_ids", "rejected_ids")  # the columns TRL 1.16's DPOTrainer tokenises a pair into
 EXPECTED = "'prompt', 'chosen', 'rejected' (strings or message lists; 'prompt' may be left out: an implicit prompt)"
 
 
@@ -80,3 +82,41 @@ def preference_rows(sources: list[Any], seed: int) -> tuple[Any, Any | None]:
     from hftk.data.dataset import mix, split_rows
 
     return mix(sources, [split_rows(s.cfg, s.raw, seed) for s in sources], seed)
+
+
+def tokenize_pairs(rows: Any, tokenizer: Any, args: Any, name: str) -> Any:
+    """TRL's tokenisation of preference rows (``DPOTrainer._prepare_dataset``: prompt extracted, EOS added,
+    the chat template applied, pairs whose prompt alone fills ``max_length`` dropped) where no trainer exists
+    (``hftk preprocess``). TRL keeps it a trainer method that reads only the trainer's tokenizer, so it is
+    called with a stand-in holding just that, rather than rewriting TRL's tokenisation here."""
+    from types import SimpleNamespace
+
+    from trl import DPOTrainer
+
+    return DPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tokenizer), rows, tokenizer, args, name)
+
+
+def fit_pairs(pairs: Any, rows: int, max_length: int, truncation: str, name: str, announce: bool) -> Any:
+    """Tokenised pairs held to ``max_length`` as ``data.truncation`` says: ``drop`` removes every pair whose
+    prompt plus longer completion exceeds it; ``truncate`` leaves them to TRL's collator, which keeps the
+    start (the completions lose their end, EOS included). ``rows``: the pairs before TRL's tokenisation, whose
+    own drops (the prompt alone fills ``max_length``) are counted too. One summary line (``announce``: rank 0);
+    a split left with no pair is an error naming the options."""
+    longer = [i for i, (p, c, r) in enumerate(zip(*(pairs[column] for column in PAIR_IDS)))
+              if len(p) + max(len(c), len(r)) > max_length]
+    if truncation == "drop" and longer:
+        cut = set(longer)
+        pairs = pairs.select([i for i in range(len(pairs)) if i not in cut])
+    dropped = rows - len(pairs)
+    if (dropped or longer) and announce:
+        done = (f"dropped {dropped}" if truncation == "drop" else
+                f"truncated {len(longer)} (their completions cut short, without EOS), dropped {dropped} (the prompt "
+                "fills max_length: no completion token left)")
+        print(f"hftk: data: [{name}]: {done} of {rows} preference pairs longer than max_length {max_length} "
+              f"(data.truncation={truncation})", flush=True)
+    if not len(pairs):
+        raise HftkError("training.max_length", f"every {name} preference pair is longer than max_length "
+                        f"{max_length} (data.truncation={truncation}).",
+                        "raise --max_length (or --block_size)" + (", or pass --truncation truncate." if
+                                                                   truncation == "drop" else ": each prompt fills it."))
+    return pairs

@@ -1,5 +1,6 @@
 """Preference tuning: TRL's DPOTrainer driven as the Trainer path drives the HF Trainer (same arguments,
-strategy, callbacks, checkpoints); TRL tokenises the pairs, holds the reference and computes the loss."""
+strategy, callbacks, checkpoints); TRL tokenises the pairs, holds the reference and computes the loss, and
+hftk holds the tokenised pairs to ``max_length`` as ``data.truncation`` says."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hftk.config import strategy_table
 from hftk.config.options import field_default
 from hftk.core import startup
 from hftk.core.errors import HftkError
-from hftk.data.preference import preference_rows
+from hftk.data.preference import PAIR_IDS, fit_pairs, preference_rows
 from hftk.engine import trainer as trainer_engine
 from hftk.engine.run_types import PreparedRun
 from hftk.launch.guard import check_world
@@ -88,9 +89,30 @@ def reference_held(trainer: Any, strategy_name: str) -> str:
     return "a whole copy on each rank"
 
 
+class _PairsHeldToMaxLength:
+    """Ahead of TRL's DPOTrainer in the MRO: TRL tokenises each split (unless ``hftk preprocess`` did already:
+    TRL would tokenise its text again), then :func:`hftk.data.preference.fit_pairs` applies
+    ``data.truncation`` with its summary line."""
+
+    data_truncation = "drop"
+
+    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+        rows = len(dataset)
+        if not set(PAIR_IDS) <= set(dataset.column_names):
+            dataset = super()._prepare_dataset(dataset, processing_class, args, dataset_name)  # type: ignore[misc]
+        return fit_pairs(dataset, rows, args.max_length, self.data_truncation, dataset_name, args.process_index == 0)
+
+
+def dpo_trainer_class(cfg: Any) -> type:
+    """TRL's DPOTrainer with the run's pair-length policy (:class:`_PairsHeldToMaxLength`)."""
+    from trl import DPOTrainer
+
+    return type("HftkDPOTrainer", (_PairsHeldToMaxLength, DPOTrainer), {"data_truncation": cfg.data.truncation})
+
+
 def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     """A ready DPOTrainer: (trainer, strategy module, data with ``train`` / ``eval``)."""
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig
 
     cfg = prepared.cfg
     strategy = strategy_table.get(cfg.strategy.strategy)
@@ -102,7 +124,10 @@ def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     startup.mark("process_group")
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template, cfg.data.add_chat_tokens,
                                announce=args.process_index == 0)
-    train, held_out = preference_rows(prepared.sources, args.seed)
+    if prepared.tokenized is not None:  # hftk preprocess ran TRL's tokenisation once; every rank read it in prepare
+        train, held_out = prepared.tokenized.train, prepared.tokenized.eval
+    else:
+        train, held_out = preference_rows(prepared.sources, args.seed)
     startup.mark("data")
     shards = getattr(strategy, "SHARDS_PARAMETERS", False)
     base = load_model(cfg.model, shardable=shards)
@@ -111,7 +136,8 @@ def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     ref_model = reference_model(cfg, strategy, tokenizer, args.seed, bool(new_tokens))
     startup.mark("model")
     # A strategy that owns its model/optimizer I/O (FSDP2 shards) puts it ahead of DPOTrainer's.
-    make_trainer = strategy.trainer_factory(cfg, DPOTrainer) if hasattr(strategy, "trainer_factory") else DPOTrainer
+    base = dpo_trainer_class(cfg)
+    make_trainer = strategy.trainer_factory(cfg, base) if hasattr(strategy, "trainer_factory") else base
     trainer = make_trainer(model=model, ref_model=ref_model, args=args, train_dataset=train, eval_dataset=held_out,
                            processing_class=tokenizer)
     held = reference_held(trainer, cfg.strategy.strategy)

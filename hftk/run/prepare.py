@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from hftk.config import strategy_table, support
 from hftk.config.options import RunConfig, is_main_process, load_config
@@ -190,9 +191,32 @@ def preprocess_command(argv: list[str]) -> int:
     prepared = prepare(argv, read_tokenized=False)
     cfg = prepared.cfg
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template, cfg.data.add_chat_tokens, announce=True)
-    data = tokenize_sources(prepared.sources, tokenizer, cfg.training["seed"])
+    if cfg.preference.method == "dpo":
+        data = _tokenized_pairs(prepared, tokenizer)
+    else:
+        data = tokenize_sources(prepared.sources, tokenizer, cfg.training["seed"])
     summary = preprocess.save(Path(target), data, preprocess.fingerprint(cfg, tokenizer))
-    parts = [f"{name}: {s['blocks']} blocks, {s['tokens']} tokens ({s['labelled_tokens']} labelled)"
+    parts = [f"{name}: {s['pairs']} pairs, {s['tokens']} tokens" if "pairs" in s else
+             f"{name}: {s['blocks']} blocks, {s['tokens']} tokens ({s['labelled_tokens']} labelled)"
              for name, s in summary.items()]
     print(f"hftk: preprocess: {data.data_format}; " + "; ".join(parts) + f" -> {target}", flush=True)
     return 0
+
+
+def _tokenized_pairs(prepared: PreparedRun, tokenizer: Any) -> Any:
+    """The run's preference pairs as its DPOTrainer would tokenise them (TRL's own code, TRL's defaults for
+    what hftk does not set), held to ``max_length`` as ``data.truncation`` says."""
+    from trl import DPOConfig
+
+    from hftk.data.dataset import TokenizedData
+    from hftk.data.preference import fit_pairs, preference_rows, tokenize_pairs
+    from hftk.engine.preference import dpo_options
+
+    cfg = prepared.cfg
+    args = DPOConfig(output_dir=cfg.data.tokenized_path, max_length=dpo_options(cfg)["max_length"],
+                     dataset_num_proc=cfg.data.preprocessing_num_workers, report_to="none", use_cpu=True)
+    splits = dict(zip(("train", "eval"), preference_rows(prepared.sources, cfg.training["seed"])))
+    pairs = {name: fit_pairs(tokenize_pairs(rows, tokenizer, args, name), len(rows), args.max_length,
+                             cfg.data.truncation, name, announce=True)
+             for name, rows in splits.items() if rows is not None}
+    return TokenizedData(train=pairs["train"], eval=pairs.get("eval"), data_format=prepared.data_format)

@@ -34,10 +34,6 @@ def check_preference(cfg: RunConfig) -> None:
     if p.max_length is not None and p.max_length < 1:
         raise HftkError("training.max_length", f"must be a positive integer, got {p.max_length}.",
                         "remove it (data.block_size is used) or set e.g. 512.")
-    if p.method == "dpo" and cfg.data.tokenized_path:  # hftk preprocess and a run reading its folder
-        raise HftkError("data.tokenized_path", "TRL's DPOTrainer tokenizes preference pairs itself (TRL 1.16 takes no "
-                        "pre-tokenized pairs), so a preprocessed folder cannot feed a DPO run.",
-                        "drop --tokenized_path for --method dpo (the pairs are tokenized at the start of the run).")
     if p.method == "dpo" and p.ref_model_name_or_path and cfg.model.lora_r > 0:
         raise HftkError("training.ref_model_name_or_path", "with LoRA the reference is the base with the adapter "
                         "disabled, so a separate reference model is never read.", "remove --ref_model_name_or_path.")

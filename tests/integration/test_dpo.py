@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import finetune_cells, load_weights, make_family, max_weight_diff, metrics, preference_pairs
+from tests.helpers import TINY_ARGS, finetune_cells, load_weights, make_family, max_weight_diff, metrics, preference_pairs
 
 # fp32 on both sides: DPOConfig's bf16 defaults to on (CPU autocast), under which one process alone differs by
 # ~2e-4 between a batch of 8 and 2 accumulated batches of 4; in fp32 those agree within 1.2e-7 (weights, 4 steps).
@@ -172,6 +172,14 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                                         "--resume_from_checkpoint", "latest"]
         options[f"{strategy}_resumed"] = {"copy": [root / f"{strategy}_full" / "checkpoint-3",
                                                    root / f"{strategy}_resumed" / "checkpoint-3"]}
+    from hftk.cli import main as hftk  # hftk preprocess once (TRL's tokenisation), then a ddp run reads the folder
+
+    ddp_gpt2 = cells[_name("ddp", "gpt2", False)]
+    tokenized = ["--tokenized_path", str(root / "tokenized")]
+    assert hftk(["preprocess", *TINY_ARGS, *ddp_gpt2[:-2], *tokenized, "--output_dir", str(root / "unused")]) == 0
+    cells["preprocessed"] = [*ddp_gpt2[:-2], *tokenized, "--output_dir", str(root / "preprocessed")]
+    cells["truncated"] = [*ddp_gpt2[:-2], "--max_length", "10", "--truncation", "truncate",
+                          "--output_dir", str(root / "truncated")]
     outputs = finetune_cells(2, cells, root, timeout=900, options=options)
     return {"root": root, "data": data, "conversations": conversations, "other": other, "outputs": outputs, **models}
 
@@ -329,3 +337,25 @@ def test_run_record_and_model_card_say_dpo(runs) -> None:
     assert (hyper["method"], hyper["beta"], hyper["loss_type"]) == ("dpo", 0.1, "sigmoid")
     assert "- method: **DPO** (Direct Preference Optimization, TRL's DPOTrainer), beta 0.1, loss sigmoid" in \
         (final / "README.md").read_text()
+
+
+def test_pairs_preprocessed_once_train_as_the_raw_pairs(runs) -> None:
+    """`hftk preprocess --method dpo` (TRL's tokenisation, once) and a 2-rank run reading the folder: the same
+    per-step figures and weights, bit for bit, as the run that tokenised the same pairs itself."""
+    raw, folder = runs["root"] / _name("ddp", "gpt2", False), runs["root"] / "preprocessed"
+    theirs, ours = ([row for row in metrics(out) if "rewards/chosen" in row] for out in (raw, folder))
+    assert [row["step"] for row in ours] == list(range(1, STEPS + 1))
+    assert [[row[key] for key in KEYS] for row in ours] == [[row[key] for key in KEYS] for row in theirs]
+    assert max_weight_diff(load_weights(folder / "final"), load_weights(raw / "final")) == 0.0
+
+
+def test_pairs_longer_than_max_length_are_truncated_with_one_summary_line(runs) -> None:
+    """--max_length 10 with --truncation truncate: every pair (7 prompt tokens, 12 in all) is longer, TRL's
+    collator keeps each one's start; rank 0 says so once and the run trains."""
+    output = runs["outputs"]["truncated"]
+    lines = [line for line in output.splitlines() if line.startswith("hftk: data: [train]:")]
+    assert lines == ["hftk: data: [train]: truncated 64 (their completions cut short, without EOS), dropped 0 (the "
+                     "prompt fills max_length: no completion token left) of 64 preference pairs longer than "
+                     "max_length 10 (data.truncation=truncate)"], lines
+    assert [row["step"] for row in metrics(runs["root"] / "truncated") if "rewards/chosen" in row] == \
+        list(range(1, STEPS + 1))

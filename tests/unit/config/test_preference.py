@@ -33,7 +33,6 @@ def test_yaml_training_method_and_cli(tmp_path) -> None:
     (["--beta", "-1"], "training.beta"),
     (["--max_length", "0"], "training.max_length"),
     (["--method", "dpo", "--lora_r", "8", "--ref_model_name_or_path", "x"], "training.ref_model_name_or_path"),
-    (["--method", "dpo", "--tokenized_path", "tok"], "data.tokenized_path"),
 ])
 def test_bad_values_name_the_field(argv, field) -> None:
     with pytest.raises(HftkError) as info:
@@ -96,21 +95,6 @@ def test_a_reference_with_the_policys_vocabulary_passes_the_check() -> None:
     cfg = load_config(["--method", "dpo", "--model_name_or_path", "builtin:gpt2-tiny",
                        "--ref_model_name_or_path", "builtin:gpt2-tiny4"])
     check_reference(cfg, load_model_config(cfg.model))
-
-
-def test_preprocess_of_preference_pairs_is_one_line_and_writes_nothing(tmp_path, capsys) -> None:
-    """TRL tokenizes pairs in its own trainer; `hftk preprocess --method dpo` says so instead of a traceback."""
-    import json
-
-    from hftk.cli import main
-
-    data = tmp_path / "prefs.jsonl"
-    data.write_text(json.dumps({"prompt": "Say hi:", "chosen": " hi", "rejected": " no"}) + "\n")
-    code = main(["preprocess", "--method", "dpo", "--dataset", str(data), "--tokenized_path", str(tmp_path / "tok"),
-                 "--output_dir", str(tmp_path / "out")])
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert code == 2 and len(err) == 1 and err[0].startswith("hftk: error: data.tokenized_path: TRL's DPOTrainer"), err
-    assert not (tmp_path / "tok").exists()
 
 
 def test_precomputed_log_probs_are_refused_by_the_support_table_under_fsdp_only() -> None:

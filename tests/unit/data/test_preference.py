@@ -1,4 +1,5 @@
-"""Preference rows: TRL's formats accepted, anything else refused naming the row and the expected fields."""
+"""Preference rows: TRL's formats accepted, anything else refused naming the row and the expected fields; TRL's
+tokenisation held to max_length as data.truncation says, with one summary line."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import datasets
 import pytest
 
 from hftk.core.errors import HftkError
-from hftk.data.preference import check_preference_rows
+from hftk.data.preference import check_preference_rows, fit_pairs, tokenize_pairs
 
 
 def _rows(**columns):
@@ -118,3 +119,58 @@ def split_rows_of(source):
     from hftk.data.dataset import split_rows
 
     return split_rows(source.cfg, source.raw, 42)[1]
+
+
+@pytest.fixture(scope="module")
+def tokenized_pairs():
+    """Three pairs through TRL's own tokenisation at max_length 12 (gpt2-tiny's tokenizer): one short, one
+    whose prompt nearly fills it, one whose chosen completion is long; and a fourth that TRL itself drops."""
+    from transformers import AutoTokenizer
+    from trl import DPOConfig
+
+    from hftk.data.builtin import materialize_model
+
+    tokenizer = AutoTokenizer.from_pretrained(materialize_model("builtin:gpt2-tiny"))
+    rows = _rows(prompt=["In the", "In the beginning God created the heaven and the earth and", "And",
+                         "In the beginning God created the heaven and the earth and the earth was without form"],
+                 chosen=[" beginning was", " the earth was",
+                         " God said let there be light and there was light and God saw the light that it was good", " a"],
+                 rejected=[" end", " no", " no", " b"])
+    args = DPOConfig(output_dir="unused", max_length=12, report_to="none", use_cpu=True)
+    return tokenize_pairs(rows, tokenizer, args, "train")
+
+
+def _long(pairs, max_length: int) -> list[int]:
+    return [i for i in range(len(pairs))
+            if len(pairs["prompt_ids"][i]) + max(len(pairs["chosen_ids"][i]), len(pairs["rejected_ids"][i])) > max_length]
+
+
+def test_trl_tokenises_and_drops_a_prompt_that_fills_max_length(tokenized_pairs) -> None:
+    assert len(tokenized_pairs) == 3 and set(tokenized_pairs.column_names) >= {"prompt_ids", "chosen_ids", "rejected_ids"}
+    assert _long(tokenized_pairs, 12) == [1, 2]  # the fixture's premise
+
+
+def test_drop_removes_every_pair_longer_than_max_length_and_says_so_once(tokenized_pairs, capsys) -> None:
+    kept = fit_pairs(tokenized_pairs, 4, 12, "drop", "train", announce=True)
+    assert kept["prompt"] == ["In the"] and _long(kept, 12) == []
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["hftk: data: [train]: dropped 3 of 4 preference pairs longer than max_length 12 "
+                     "(data.truncation=drop)"]
+    fit_pairs(tokenized_pairs, 4, 12, "drop", "train", announce=False)  # other ranks: silent
+    assert capsys.readouterr().out == ""
+
+
+def test_truncate_keeps_them_for_trls_collator_and_counts_both(tokenized_pairs, capsys) -> None:
+    kept = fit_pairs(tokenized_pairs, 4, 12, "truncate", "eval", announce=True)
+    assert len(kept) == 3
+    assert capsys.readouterr().out.strip() == (
+        "hftk: data: [eval]: truncated 2 (their completions cut short, without EOS), dropped 1 (the prompt fills "
+        "max_length: no completion token left) of 4 preference pairs longer than max_length 12 (data.truncation=truncate)")
+
+
+def test_pairs_that_fit_pass_silently_and_a_split_left_empty_is_an_error(tokenized_pairs, capsys) -> None:
+    assert len(fit_pairs(tokenized_pairs, 3, 64, "drop", "train", announce=True)) == 3
+    assert capsys.readouterr().out == ""
+    with pytest.raises(HftkError, match="every train preference pair is longer than max_length 3") as info:
+        fit_pairs(tokenized_pairs, 3, 3, "drop", "train", announce=False)
+    assert info.value.field == "training.max_length" and "--truncation truncate" in info.value.fix
