@@ -62,13 +62,13 @@ def variants(lora_r: int, load_in_4bit: bool, pairs: Path | None = None) -> dict
         if load_in_4bit:
             rows[" qlora"] = ["--lora_r", str(lora_r), "--load_in_4bit"]
     if pairs is not None:
-        rows[" dpo"] = ["--method", "dpo", "--dataset", str(pairs), "--eval_fraction", "0"]
+        rows[" dpo"] = ["--method", "dpo", "--dataset", str(pairs), "--eval_fraction", "0", "--truncation", "truncate"]
     return rows
 
 
 def preference_pairs(path: Path, block_size: int) -> Path:
-    """Pairs whose prompt + completion fill ``block_size`` tokens of the built-in tokenizers or more (TRL cuts
-    them to max_length = block_size): DPO's batches then hold as many tokens per sequence as the supervised rows."""
+    """Pairs whose prompt + completion fill ``block_size`` tokens of the built-in tokenizers or more (the DPO row
+    runs with --truncation truncate: TRL cuts them to max_length = block_size): DPO's batches then hold as many tokens per sequence as the supervised rows."""
     words = "blue cat dog moon lamp rock".split()
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
