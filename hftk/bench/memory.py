@@ -68,7 +68,8 @@ def variants(lora_r: int, load_in_4bit: bool, pairs: Path | None = None) -> dict
 
 def preference_pairs(path: Path, block_size: int) -> Path:
     """Pairs whose prompt + completion fill ``block_size`` tokens of the built-in tokenizers or more (the DPO row
-    runs with --truncation truncate: TRL cuts them to max_length = block_size): DPO's batches then hold as many tokens per sequence as the supervised rows."""
+    runs with --truncation truncate: TRL cuts them to max_length = block_size): DPO's batches then hold as many
+    tokens per sequence as the supervised rows."""
     words = "blue cat dog moon lamp rock".split()
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:

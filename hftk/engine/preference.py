@@ -136,8 +136,9 @@ def build_dpo_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     ref_model = reference_model(cfg, strategy, tokenizer, args.seed, bool(new_tokens))
     startup.mark("model")
     # A strategy that owns its model/optimizer I/O (FSDP2 shards) puts it ahead of DPOTrainer's.
-    base = dpo_trainer_class(cfg)
-    make_trainer = strategy.trainer_factory(cfg, base) if hasattr(strategy, "trainer_factory") else base
+    trainer_class = dpo_trainer_class(cfg)
+    make_trainer = (strategy.trainer_factory(cfg, trainer_class) if hasattr(strategy, "trainer_factory")
+                    else trainer_class)
     trainer = make_trainer(model=model, ref_model=ref_model, args=args, train_dataset=train, eval_dataset=held_out,
                            processing_class=tokenizer)
     held = reference_held(trainer, cfg.strategy.strategy)
