@@ -511,24 +511,25 @@ def _evaluate(run: Run) -> dict[str, float]:
 def _sample(run: Run) -> None:
     """Generation samples at this step, once (the samples options). Collective: the weights are consolidated on
     rank 0 (in host memory; then on the device where they fit, :func:`samples.sampling_device`), which generates,
-    writes and reports the rows; every rank waits for it here (not in the next step's
-    time) and logs ``sample_time_s``."""
+    writes and reports the rows while the other ranks follow its forwards (a preemption signal on any rank stops
+    every rank at the same token, :class:`samples.TokenAgreement`); every rank waits for it here (not in the next
+    step's time) and logs ``sample_time_s``."""
     step = run.state.global_step
     if not run.prompts or step in run.sampled:
         return
     run.sampled.add(step)
     start = time.perf_counter()
+    agreement = samples.TokenAgreement(run.signal, run.step.device)
     model = run.step.consolidated_model(run.adapter[0] if run.adapter is not None else None)
-    if model is not None:
+    if model is None:
+        agreement.follow()
+    else:
         cfg = run.prepared.cfg
         device = samples.sampling_device(model, run.step.device)
         rows = samples.sample(model.to(device), run.tokenizer, run.prompts, cfg, step, device, shared=False,
-                              signal=run.signal)
-        if run.signal.received is None:  # else the rows stopped short: the ranks agree to stop just below
-            report_samples(rows, cfg.output_dir, run.handler.callbacks, run.args, step)
+                              agreement=agreement)
+        report_samples(rows, cfg.output_dir, run.handler.callbacks, run.args, step)
         del model
-    dist.barrier()
-    check_evaluation(run.signal, run.step.device)  # a preemption on any rank: all raise EvaluationInterrupted
     _log(run, {"sample_time_s": time.perf_counter() - start})
 
 

@@ -17,7 +17,10 @@ crash (gloo: "Received data size doesn't match expected size"; checked by hand w
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -236,13 +239,15 @@ def test_wandb_offline_run_holds_a_samples_table_per_step(runs):
         (s["step"], s["completion"], len(s["tokens"]), s["stop"]) for s in samples(root / "lora"))
 
 
-@pytest.mark.parametrize("engine", ["trainer", "tp"])
-def test_sigterm_during_sampling_stops_at_the_next_token_saves_and_exits_75(engine, tmp_path):
+@pytest.mark.parametrize("engine,signalled", [("trainer", "every rank"), ("trainer", "rank 1"), ("tp", "rank 1")])
+def test_sigterm_during_sampling_stops_at_the_next_token_saves_and_exits_75(engine, signalled, tmp_path):
     """Sampling at the end of training (no evaluation) with every eval-mode block forward slowed to 1 s: the
-    prompts would take minutes, far past torchrun's grace period. A SIGTERM as scancel sends it ends the current
-    ``generate`` at its next token; the ranks agree, save the step and exit 75, as during an evaluation."""
+    prompts would take minutes, far past torchrun's grace period. A SIGTERM as scancel sends it (to every rank), or
+    to rank 1 alone, ends the current ``generate`` at its next token on every rank: the ranks agree at each forward
+    (rank 1 alone does not generate under tp: it follows rank 0's forwards), save the step and exit 75, as during an
+    evaluation. Merge: the tp cell with a SIGTERM to every rank lives on in tp's rank-1 cell (the same assertions)."""
     from hftk.checkpoint.atomic import is_complete, list_checkpoints
-    from tests.faults import start
+    from tests.faults import start, worker_pid
     from tests.integration.test_resilience import (ENGINES, EVAL_SLEEP_S, GRACE_S, WORKERS, exit_codes,
                                                    sigterm_as_scancel_does, wait_for_output)
     from tests.helpers import TINY_ARGS
@@ -255,11 +260,19 @@ def test_sigterm_during_sampling_stops_at_the_next_token_saves_and_exits_75(engi
     run = start(2, args, tmp_path / "run", script=WORKERS / "slow_eval.py",
                 env={"HFTK_EVAL_SLEEP_S": str(EVAL_SLEEP_S), "HFTK_EXIT_DIR": str(tmp_path / "exit")})
     wait_for_output(run, EVAL_MARKER, timeout=300)  # the first eval-mode forward: sampling has started
-    stopped, seconds = sigterm_as_scancel_does(run)
+    if signalled == "every rank":
+        stopped, seconds = sigterm_as_scancel_does(run)
+    else:
+        sent = time.time()
+        os.kill(worker_pid(run, rank=1), signal.SIGTERM)
+        stopped = run.finish(timeout=sent - run.started + GRACE_S + 60)
+        seconds = time.time() - sent
     assert exit_codes(tmp_path / "exit") == {"rank-0": 75, "rank-1": 75}, stopped.output[-5000:]
-    assert "hftk: stopped at step 2: preempted (SIGTERM) during sampling" in stopped.stderr, stopped.stderr[-4000:]
+    name = "SIGTERM" if signalled == "every rank" else "a signal on another rank"  # rank 0 says why it stopped
+    assert f"hftk: stopped at step 2: preempted ({name}) during sampling" in stopped.stderr, stopped.stderr[-4000:]
     assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["checkpoint-2"]
-    assert is_complete(tmp_path / "run" / "checkpoint-2") and seconds < GRACE_S
+    # a prompt's 32 tokens take over a minute: only an agreement at the next token ends within the grace period
+    assert is_complete(tmp_path / "run" / "checkpoint-2") and seconds < GRACE_S, seconds
     assert not (tmp_path / "run" / "samples.jsonl").exists() and not (tmp_path / "run" / "final").exists()
 
 

@@ -61,6 +61,34 @@ def test_a_sample_that_ends_at_eos_says_so(tiny):
     assert row["tokens"] == [first] and row["stop"] == "eos"
 
 
+def test_a_signal_ends_generation_at_the_next_token_and_raises(tiny):
+    """One process (the agreement is its own flag): a signal that arrives during the third forward of the first
+    prompt's generate leaves one forward more (the agreement's next round), then the next prompts are skipped and
+    EvaluationInterrupted names the signal."""
+    import signal
+
+    from hftk.engine.resilience import EvaluationInterrupted, PreemptionSignal
+    from hftk.engine.samples import TokenAgreement
+
+    cfg, model, tokenizer = tiny
+    preemption = PreemptionSignal()
+    forwards = []
+
+    def count(module, args, output):
+        forwards.append(preemption.received)
+        if len(forwards) == 3:
+            preemption.received = signal.SIGTERM
+
+    handle = model.register_forward_hook(count)
+    try:
+        with pytest.raises(EvaluationInterrupted, match="SIGTERM"):
+            sample(model, tokenizer, ["In the beginning", "And God said"], cfg, 0, "cpu",
+                   agreement=TokenAgreement(preemption, "cpu"))
+    finally:
+        handle.remove()
+    assert forwards == [None, None, None, signal.SIGTERM], "max_new_tokens is 6: only the signal stopped it"
+
+
 def test_stop_reason_reads_every_eos_form():
     from transformers import GenerationConfig
 
