@@ -16,16 +16,46 @@ if not torch.cuda.is_available():  # on a GPU host DeepSpeed picks CUDA itself, 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
-    """The fault tests' kill steps and their seed, also under -q (which hides the header)."""
+def pytest_configure(config) -> None:
+    """One fault seed for the whole session: drawn here, before pytest-xdist starts its workers (they inherit
+    the environment), so every worker draws its kill steps from the seed the summary prints."""
+    import random
+
+    if not hasattr(config, "workerinput"):
+        os.environ.setdefault("HFTK_FAULT_SEED", str(random.SystemRandom().randrange(2**32)))
+    config.hftk_summary = []
+
+
+def _summary() -> list[str]:
+    """This process's warm servers and drawn fault steps."""
     import sys
 
-    for line in sys.modules["tests.warm"].summary() if "tests.warm" in sys.modules else []:
-        terminalreporter.write_line(line)
+    lines = list(sys.modules["tests.warm"].summary() if "tests.warm" in sys.modules else [])
     faults = sys.modules.get("tests.faults")
-    if faults is not None and faults.DRAWN:
-        terminalreporter.write_line(f"hftk fault seed {faults.FAULT_SEED}: {', '.join(faults.DRAWN)} "
-                                    f"(HFTK_FAULT_SEED={faults.FAULT_SEED} replays them)")
+    return lines + [f"fault drawn: {drawn}" for drawn in (faults.DRAWN if faults is not None else [])]
+
+
+def pytest_sessionfinish(session) -> None:
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: its lines go to the controller
+        session.config.workeroutput["hftk_summary"] = _summary()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """pytest-xdist's controller: keep each worker's lines for the summary."""
+    node.config.hftk_summary.extend(node.workeroutput.get("hftk_summary", []) if hasattr(node, "workeroutput") else [])
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """The warm servers' cell counts and the fault tests' kill steps with their seed, also under -q (which hides
+    the header), from this process or from every pytest-xdist worker."""
+    lines = [*config.hftk_summary, *_summary()]
+    for line in (line for line in lines if not line.startswith("fault drawn: ")):
+        terminalreporter.write_line(line)
+    drawn = [line.removeprefix("fault drawn: ") for line in lines if line.startswith("fault drawn: ")]
+    if drawn:
+        seed = os.environ["HFTK_FAULT_SEED"]
+        terminalreporter.write_line(f"hftk fault seed {seed}: {', '.join(drawn)} (HFTK_FAULT_SEED={seed} replays them)")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -15,7 +15,8 @@ Libraries read some variables once, at import (``HF_ENDPOINT``, ``HF_HUB_OFFLINE
 launcher's variables and those read when a run uses them (hftk's ``HFTK_*``, accelerate's
 ``ACCELERATE_*`` / ``FSDP_*``, read when its state is built, wandb's ``WANDB_*``, read by ``wandb.init``,
 torch's ``PYTORCH_NVML_BASED_CUDA_CHECK``, read when CUDA is asked for; pytest's own) gets a server
-started with that environment (one per distinct difference, kept for the session).
+started with that environment (one per distinct difference, kept for the session; each pytest-xdist
+worker has its own servers).
 
 Programs that start ranks themselves (``hftk bench``) use :mod:`tests.warm_torchrun`, torchrun's command line
 on this server.
@@ -333,9 +334,12 @@ def server_for(env: dict[str, str], plain: bool = False) -> Server:
 def summary() -> list[str]:
     """One line per server: how many cells it ran, and how its environment differs from the first's."""
     servers = list(_servers.values())
-    return [f"warm server {i}{' (plain)' if s.plain else ''}: {s.cells} cells" + ("" if i == 0 else ", environment differs in " + ", ".join(
-        sorted(k for k in set(s.env) | set(servers[0].env) if s.env.get(k) != servers[0].env.get(k))))
-            for i, s in enumerate(servers)]
+    lines = []
+    for i, server in enumerate(servers):
+        differs = sorted(k for k in set(server.env) | set(servers[0].env) if server.env.get(k) != servers[0].env.get(k))
+        lines.append(f"warm server {i}{' (plain)' if server.plain else ''}: {server.cells} cells"
+                     + (f", environment differs in {', '.join(differs)}" if differs else ""))
+    return lines
 
 
 def shutdown() -> None:
