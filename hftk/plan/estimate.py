@@ -163,10 +163,12 @@ def estimate(strategy: str, shape: ModelShape, inputs: PlanInputs) -> StrategyPl
 def reference_bytes(strategy: str, shape: ModelShape, inputs: PlanInputs) -> int:
     """DPO's reference as hftk / TRL hold it (engine/preference.py): a whole copy in the loaded dtype under ddp;
     sharded like the policy under fsdp (FSDP2, loaded dtype); under ZeRO-1/2 a whole copy that TRL's DeepSpeed
-    inference engine casts to the run's 16-bit type, under ZeRO-3 partitioned likewise. No reference: 0."""
+    inference engine casts to the run's 16-bit type, under ZeRO-3 partitioned likewise; of the named reference's
+    size where one is named. No reference: 0."""
     if not inputs.reference:
         return 0
-    p, n, w = shape.params, inputs.world_size, DTYPE_BYTES[inputs.dtype]
+    p = shape.params if inputs.reference_params is None else inputs.reference_params
+    n, w = inputs.world_size, DTYPE_BYTES[inputs.dtype]
     d = 2 if inputs.mixed_precision != "no" else w
     return {"ddp": w * p, "fsdp": _ceil(w * p, n), "zero1": d * p, "zero2": d * p}.get(strategy, d * _ceil(p, n))
 
@@ -291,13 +293,24 @@ def inputs_from_config(cfg: Any, world_size: int, budget: int) -> PlanInputs:
 
 
 def preference_inputs(cfg: Any) -> dict[str, Any]:
-    """DPO's PlanInputs fields: pairs per micro-batch, sequences of max_length, and whether a reference model is
-    held (not under LoRA, whose reference is the base with the adapter off, nor with precomputed log-probs)."""
+    """DPO's PlanInputs fields: pairs per micro-batch, sequences of max_length, whether a reference model is held
+    (not under LoRA, whose reference is the base with the adapter off, nor with precomputed log-probs), and the
+    size of a separately named one."""
     p = cfg.preference
     if p.method != "dpo":
         return {}
     held = not cfg.model.lora_r and (not p.precompute_ref_log_probs or p.ref_model_name_or_path is not None)
-    return {"pairs": True, "reference": held, "seq_len": p.max_length or cfg.data.block_size}
+    named = p.ref_model_name_or_path
+    size = {"reference_params": reference_params(cfg.model, named)} if held and named else {}
+    return {"pairs": True, "reference": held, "seq_len": p.max_length or cfg.data.block_size, **size}
+
+
+def reference_params(model: Any, name: str) -> int:
+    """The parameters of the reference model ``name`` (its config, read as ``model``'s options read the policy's,
+    built on the meta device): a named reference need not be the policy's size."""
+    from hftk.models.loading import load_model_config
+
+    return model_shape(load_model_config(dataclasses.replace(model, model_name_or_path=name))).params
 
 
 def quantization_inputs(load_in_4bit: bool, load_in_8bit: bool, double_quant: bool, optim: str) -> dict[str, Any]:
@@ -410,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "rejected through one forward (2 x --micro_batch sequences) beside a frozen reference model")
     p.add_argument("--precompute_ref_log_probs", action="store_true", help="DPO: the reference's log-probs computed "
                    "before training, so no reference model is held (with --lora_r none is either)")
+    p.add_argument("--ref_model_name_or_path", default=None, help="DPO: a separate reference model (a folder or Hub "
+                   "id; its config is read): the plan counts its parameters, not the policy's")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -437,8 +452,11 @@ def plan_command(argv: list[str]) -> int:
         raise HftkError("--load_in_4bit" if args.load_in_4bit else "--load_in_8bit", "quantizes the frozen base, "
                         "which trains only with LoRA.", "add --lora_r (e.g. 8).")
     device = args.device or ("gpu" if torch.cuda.is_available() else "cpu")
-    model_config = load_model_config(ModelConfig(model_name_or_path=args.model, model_revision=args.model_revision,
-                                                 trust_remote_code=args.trust_remote_code))
+    model_cfg = ModelConfig(model_name_or_path=args.model, model_revision=args.model_revision,
+                            trust_remote_code=args.trust_remote_code)
+    model_config = load_model_config(model_cfg)
+    named = args.ref_model_name_or_path
+    held = args.method == "dpo" and not args.lora_r and (not args.precompute_ref_log_probs or named is not None)
     limit = context_length(model_config)
     if limit is not None and args.seq_len > limit:
         raise HftkError("--seq_len", f"{args.seq_len} exceeds the model's context length {limit}.",
@@ -446,9 +464,9 @@ def plan_command(argv: list[str]) -> int:
     inputs = PlanInputs(world_size=args.world_size, device_memory_bytes=int(args.device_memory * GIB),
                         seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype,
                         mixed_precision=args.mixed_precision, gradient_checkpointing=args.gradient_checkpointing,
-                        attention=args.attn_implementation, device=device, pairs=args.method == "dpo",
-                        reference=args.method == "dpo" and not args.lora_r and not args.precompute_ref_log_probs,
-                        **quant)
+                        attention=args.attn_implementation, device=device,
+                        pairs=args.method == "dpo", reference=held, **quant,
+                        reference_params=reference_params(model_cfg, named) if held and named else None)
     shape = model_shape(model_config, args.lora_r, args.lora_target_modules)
     plans = plan(shape, inputs, QUANT_STRATEGIES if inputs.quant_bits else PLAN_STRATEGIES)
     chosen = pick(plans)

@@ -65,6 +65,7 @@ class PlanInputs:
     optim_bits: int = 32  # 8: a bitsandbytes 8-bit optimizer (training.optim adamw_bnb_8bit, ...)
     pairs: bool = False  # DPO: a micro-batch is pairs, chosen and rejected through one forward (2 x micro_batch rows)
     reference: bool = False  # DPO: a frozen reference model beside the policy (none under LoRA or precomputed log-probs)
+    reference_params: int | None = None  # DPO: a separately named reference's parameters (None: the policy's)
 
 
 @dataclass

@@ -258,6 +258,24 @@ def test_dpo_holds_a_reference_unless_lora_or_precomputed_log_probs(argv, held):
     assert not inputs_from_config(_cfg(*argv), 2, GIB).pairs
 
 
+def test_a_named_reference_is_counted_at_its_own_size(capsys):
+    """gpt2-tiny trained against gpt2-90m as its reference: the reference row is the 90M model's bytes, in the run's
+    plan and in `hftk plan`, not the policy's."""
+    from hftk.plan.estimate import inputs_from_config, plan_command
+
+    big = model_shape(builtin_model_config("builtin:gpt2-90m")).params
+    small = model_shape(builtin_model_config("builtin:gpt2-tiny")).params
+    named = ("--ref_model_name_or_path", "builtin:gpt2-90m")
+    inputs = inputs_from_config(_cfg("--method", "dpo", *named), 2, GIB)
+    assert inputs.reference_params == big and inputs_from_config(_cfg("--method", "dpo"), 2, GIB).reference_params is None
+    ddp = {x.strategy: x for x in plan(model_shape(builtin_model_config("builtin:gpt2-tiny")), inputs)}["ddp"]
+    assert ddp.reference == 4 * big != 4 * small
+    plan_command(["--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "80", "--method", "dpo",
+                  *named, "--json"])
+    rows = {p["strategy"]: p for p in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["plans"]}
+    assert rows["ddp"]["reference"] == 4 * big and rows["zero3"]["reference"] == 4 * -(-big // 2)
+
+
 def test_auto_for_dpo_shards_where_the_reference_no_longer_fits_beside_the_policy(monkeypatch, capsys):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("RANK", "0")
