@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +114,38 @@ def peak_memory_bytes(device: torch.device) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("/proc/self/status has no VmHWM line: peak RSS cannot be read on this OS")
+
+
+def other_threads_at_rest(timeout_s: float = 0.25) -> bool:
+    """Wait (at most ``timeout_s``) until no other thread of this process is running or runnable; False if
+    one still was. torch.profiler's stop races the threads that record into it: gloo's workers mark a
+    collective's future complete, which lets the step go on, before they end its ``gloo:`` record, and a
+    worker preempted in between while the profiler stops crashed a rank (SIGSEGV in ``_disable_profiler``,
+    about one 2-rank run in 170 on a loaded 2-core host; torch fixed the same race for global callbacks only,
+    pytorch#187483). A worker back at rest (sleeping for its next collective) has ended its record.
+    Where threads cannot be read (not Linux), returns True at once."""
+    tasks, me = Path("/proc/self/task"), str(threading.get_native_id())
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            busy = [t for t in os.listdir(tasks) if t != me and _thread_state(tasks / t) == "R"]
+        except OSError:
+            return True
+        if not busy:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+
+
+def _thread_state(task: Path) -> str:
+    """A thread's scheduler state letter from ``/proc/.../stat`` (after its name, which may hold spaces or
+    parentheses); "" for a thread that has just exited."""
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:
+        return ""
+    return stat[stat.rindex(")") + 2]
 
 
 def comm_intervals(events: Any) -> list[tuple[int, int]]:
@@ -245,6 +279,7 @@ class RankMonitor:
         if self._profiler is not None:
             self._sync()
             self._profiled = (self._profiler, time.perf_counter() - self._begin[0])
+            other_threads_at_rest()
             with kineto_markers_dropped():
                 self._profiler.__exit__(None, None, None)
             self._profiler = None

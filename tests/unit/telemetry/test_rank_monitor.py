@@ -4,6 +4,8 @@ comm intervals, the monitor's own numbers, and its option checks."""
 from __future__ import annotations
 
 import math
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +13,8 @@ import torch
 
 from hftk.comm.accounting import union_length
 from hftk.telemetry.rank_monitor import (FIELDS, RankMonitor, comm_intervals, compute_dtype, device_peak_flops,
-                                         flops_per_token, matmul_params, summarize)
+                                         flops_per_token, matmul_params, other_threads_at_rest,
+                                         summarize)
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +198,27 @@ def test_a_window_of_only_the_first_step_gives_no_compute_verdict(tiny_model, ca
         assert (summary.per_rank["compute_time_s"][0] is None) == (step == 1), (step, summary.per_rank)
     monitor.detach()
     assert "not measured" not in caplog.text
+
+
+def test_the_profiler_stops_only_once_the_other_threads_are_at_rest():
+    """A thread still running (as a gloo worker ending its record) holds the stop back until it sleeps, or
+    until the bound; threads asleep cost nothing."""
+    release, done = threading.Event(), threading.Event()
+
+    def busy_then_asleep():
+        while not release.is_set():
+            pass  # running: state R
+        done.wait()  # asleep: state S
+
+    worker = threading.Thread(target=busy_then_asleep)
+    worker.start()
+    try:
+        started = time.monotonic()
+        assert not other_threads_at_rest(0.2) and time.monotonic() - started >= 0.2
+        threading.Timer(0.1, release.set).start()
+        started = time.monotonic()
+        assert other_threads_at_rest(5.0) and 0.05 < time.monotonic() - started < 2.0
+    finally:
+        release.set()
+        done.set()
+        worker.join()
