@@ -116,7 +116,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("/proc/self/status has no VmHWM line: peak RSS cannot be read on this OS")
 
 
-def other_threads_at_rest(timeout_s: float = 0.25) -> bool:
+def other_threads_at_rest(timeout_s: float = 0.25, tasks: Path = Path("/proc/self/task")) -> bool:
     """Wait (at most ``timeout_s``) until no other thread of this process is running or runnable; False if
     one still was. torch.profiler's stop races the threads that record into it: gloo's workers mark a
     collective's future complete, which lets the step go on, before they end its ``gloo:`` record, and a
@@ -124,7 +124,7 @@ def other_threads_at_rest(timeout_s: float = 0.25) -> bool:
     about one 2-rank run in 170 on a loaded 2-core host; torch fixed the same race for global callbacks only,
     pytorch#187483). A worker back at rest (sleeping for its next collective) has ended its record.
     Where threads cannot be read (not Linux), returns True at once."""
-    tasks, me = Path("/proc/self/task"), str(threading.get_native_id())
+    me = str(threading.get_native_id())
     deadline = time.monotonic() + timeout_s
     while True:
         try:

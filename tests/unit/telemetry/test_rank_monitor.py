@@ -200,25 +200,26 @@ def test_a_window_of_only_the_first_step_gives_no_compute_verdict(tiny_model, ca
     assert "not measured" not in caplog.text
 
 
-def test_the_profiler_stops_only_once_the_other_threads_are_at_rest():
+def test_the_profiler_stops_only_once_the_other_threads_are_at_rest(tmp_path):
     """A thread still running (as a gloo worker ending its record) holds the stop back until it sleeps, or
-    until the bound; threads asleep cost nothing."""
-    release, done = threading.Event(), threading.Event()
+    until the bound; threads asleep cost nothing. A /proc/self/task of the test's own, whose worker's name
+    holds the parentheses a thread name may have, and this process's real one with a sleeping thread."""
+    stat = tmp_path / "4242" / "stat"
+    stat.parent.mkdir()
+    stat.write_text("4242 (gloo) S (x) R 1 4242 0 0 -1 4194368")
+    started = time.monotonic()
+    assert not other_threads_at_rest(0.2, tmp_path) and time.monotonic() - started >= 0.2
+    threading.Timer(0.1, stat.write_text, ["4242 (gloo) R (x) S 1 4242 0 0 -1 4194368"]).start()
+    started = time.monotonic()
+    assert other_threads_at_rest(5.0, tmp_path) and 0.05 < time.monotonic() - started < 2.0
+    assert other_threads_at_rest(5.0, tmp_path / "no such folder")  # threads that cannot be read: no wait
 
-    def busy_then_asleep():
-        while not release.is_set():
-            pass  # running: state R
-        done.wait()  # asleep: state S
-
-    worker = threading.Thread(target=busy_then_asleep)
+    asleep = threading.Event()
+    worker = threading.Thread(target=asleep.wait)
     worker.start()
     try:
         started = time.monotonic()
-        assert not other_threads_at_rest(0.2) and time.monotonic() - started >= 0.2
-        threading.Timer(0.1, release.set).start()
-        started = time.monotonic()
-        assert other_threads_at_rest(5.0) and 0.05 < time.monotonic() - started < 2.0
+        assert other_threads_at_rest(5.0) and time.monotonic() - started < 1.0
     finally:
-        release.set()
-        done.set()
+        asleep.set()
         worker.join()
