@@ -94,12 +94,16 @@ def torchrun(nproc: int, script: Path | str, args: list[str], timeout: float = 3
     if nnodes == 1 and extra in (None, [], ["-m"]) and not real:  # ["-m"]: ``script`` names a module
         program = [*(extra or []), str(script)]
         output_dir = _new_output_dir(args)
-        result = Launch(*warm.launch(program, args, nproc, timeout, env, launcher=nproc > 1))
+
+        def launch() -> Launch:
+            return Launch(*warm.launch(program, args, nproc, timeout, env, launcher=nproc > 1))
+
+        result = launch()
         crashed = _crashed_ranks(result, nproc)
         if crashed and output_dir is not None:
             warm.record_crash(program, args, crashed, result.output)
             shutil.rmtree(output_dir, ignore_errors=True)
-            result = Launch(*warm.launch(program, args, nproc, timeout, env, launcher=nproc > 1))
+            result = launch()
         return result
     return run(torchrun_command(nproc, *(extra or []), str(script), *args, nnodes=nnodes), timeout, env)
 

@@ -299,10 +299,16 @@ def preference_inputs(cfg: Any) -> dict[str, Any]:
     p = cfg.preference
     if p.method != "dpo":
         return {}
-    held = not cfg.model.lora_r and (not p.precompute_ref_log_probs or p.ref_model_name_or_path is not None)
     named = p.ref_model_name_or_path
+    held = reference_held(p.method, cfg.model.lora_r, p.precompute_ref_log_probs, named)
     size = {"reference_params": reference_params(cfg.model, named)} if held and named else {}
     return {"pairs": True, "reference": held, "seq_len": p.max_length or cfg.data.block_size, **size}
+
+
+def reference_held(method: str, lora_r: int | None, precompute_ref_log_probs: bool, named: str | None) -> bool:
+    """Whether DPO holds a reference model beside the policy: not under LoRA (the base with the adapter off is
+    the reference), nor with precomputed log-probs unless one is named (TRL keeps a named one)."""
+    return method == "dpo" and not lora_r and (not precompute_ref_log_probs or named is not None)
 
 
 def reference_params(model: Any, name: str) -> int:
@@ -456,7 +462,7 @@ def plan_command(argv: list[str]) -> int:
                             trust_remote_code=args.trust_remote_code)
     model_config = load_model_config(model_cfg)
     named = args.ref_model_name_or_path
-    held = args.method == "dpo" and not args.lora_r and (not args.precompute_ref_log_probs or named is not None)
+    held = reference_held(args.method, args.lora_r, args.precompute_ref_log_probs, named)
     limit = context_length(model_config)
     if limit is not None and args.seq_len > limit:
         raise HftkError("--seq_len", f"{args.seq_len} exceeds the model's context length {limit}.",
