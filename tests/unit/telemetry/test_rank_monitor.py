@@ -223,3 +223,22 @@ def test_the_profiler_stops_only_once_the_other_threads_are_at_rest(tmp_path):
     finally:
         asleep.set()
         worker.join()
+
+
+def test_the_profiled_step_waits_for_the_other_threads_before_the_profiler_stops(tiny_model, monkeypatch):
+    """Step 3 is profiled; its end asks for the other threads at rest while the profiler still records, and
+    the profiler is off once the step has ended."""
+    import hftk.telemetry.rank_monitor as rank_monitor
+
+    asked_while_profiling = []
+    monkeypatch.setattr(rank_monitor, "other_threads_at_rest",
+                        lambda: asked_while_profiling.append(torch.autograd._profiler_enabled()) or True)
+    monitor = RankMonitor(torch.device("cpu"), profile_every=100)
+    monitor.attach(tiny_model)
+    ids = torch.randint(0, 2048, (2, 16))
+    for step in (1, 2, 3):
+        monitor.step_begin(step)
+        tiny_model(input_ids=ids, labels=ids).loss.backward()
+        monitor.step_end()
+    monitor.detach()
+    assert asked_while_profiling == [True] and not torch.autograd._profiler_enabled()
