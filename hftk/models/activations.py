@@ -51,13 +51,14 @@ def trace_key(dtype_is_16bit: bool, attention: str) -> str:
     return f"{'16bit' if dtype_is_16bit else 'float32'}/{'eager' if attention in SCORE_KEEPING else 'fused'}"
 
 
-def profile(model: torch.nn.Module, block_class: type) -> dict[str, SavedActivations]:
-    """Every (dtype, attention) trace of a meta-device model (it is cast to bf16 and back: meta holds no data)."""
+def profile(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> dict[str, SavedActivations]:
+    """Every (dtype, attention) trace of a meta-device model (it is cast to bf16 and back: meta holds no data);
+    ``blocks``: its decoder blocks (:func:`hftk.models.layout.block_modules`)."""
     result = {}
     for half in (False, True):
         model.to(torch.bfloat16 if half else torch.float32)
         for attention in ("eager", "sdpa"):
-            points = [_trace(model, block_class, s, attention) for s in TRACE_LENGTHS]
+            points = [_trace(model, blocks, s, attention) for s in TRACE_LENGTHS]
             result[trace_key(half, attention)] = SavedActivations(*(_fit(TRACE_LENGTHS, [p[i] for p in points])
                                                                     for i in range(3)))
     model.to(torch.float32)
@@ -70,7 +71,7 @@ def _fit(lengths: tuple[int, int], values: list[int]) -> Fit:
     return Fit(alpha=v1 / s1 - gamma * s1, gamma=gamma)
 
 
-def _trace(model: torch.nn.Module, block_class: type, seq_len: int, attention: str) -> tuple[int, int, int]:
+def _trace(model: torch.nn.Module, blocks: list[torch.nn.Module], seq_len: int, attention: str) -> tuple[int, int, int]:
     """(total, checkpointed, largest block) bytes kept for backward by one sequence of ``seq_len``."""
     # A storage's identity: meta tensors have no data pointer, so the StorageImpl address (``_cdata``) names it.
     params = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -102,7 +103,6 @@ def _trace(model: torch.nn.Module, block_class: type, seq_len: int, attention: s
     def leave(*_: Any) -> None:
         current[0] = None
 
-    blocks = [m for m in model.modules() if isinstance(m, block_class)]
     handles = [b.register_forward_pre_hook(enter, with_kwargs=True) for b in blocks]
     handles += [b.register_forward_hook(leave) for b in blocks]
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")

@@ -62,26 +62,25 @@ OPTIM_8BIT_BLOCK = 256  # elements per absmax of an 8-bit optimizer state
 
 def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | None = None) -> ModelShape:
     """Count parameters of the model built on the meta device (LoRA adapters added the same way)."""
-    from transformers import AutoModelForCausalLM
+    from hftk.models.layout import block_modules, spec_of
+    from hftk.models.spec import meta_model
 
-    from hftk.models.layout import decoder_block_class
-
-    # torch's meta device, not accelerate's init_empty_weights: under the latter transformers 5 leaves
-    # tied embeddings untied, and GPT-2's LM head would count twice.
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+    model = meta_model(model_config)
     hidden = _config_int(model_config, "hidden_size", "n_embd")
-    block_class = decoder_block_class(model)
+    blocks = block_modules(model)
+    if not blocks:
+        raise HftkError("model.model_name_or_path", f"hftk cannot plan {model_config.model_type}: "
+                        f"{spec_of(model).structure_problem}.", "plan a decoder-only causal LM whose blocks "
+                        "transformers names (base_model_pp_plan or _no_split_modules).")
     if lora_r:  # the adapters the run would add (hftk.models.lora: same targets), so T counts only them
         from peft import get_peft_model
 
         from hftk.config.options import ModelConfig
-        from hftk.models.lora import lora_config
+        from hftk.models.lora import lora_config, uses_conv1d
 
         lora = ModelConfig(lora_r=lora_r, lora_target_modules=lora_target_modules)
-        model = get_peft_model(model, lora_config(lora, model_config.model_type))
+        model = get_peft_model(model, lora_config(lora, model_config, conv1d=uses_conv1d(model)))
     params = list(model.parameters())
-    blocks = [m for m in model.modules() if isinstance(m, block_class)]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     quantizable, rows = _quantizable(model)
     optim_8bit = _optim_8bit(model)
@@ -96,7 +95,7 @@ def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | N
         largest_block=max(sum(p.numel() for p in b.parameters()) for b in blocks),
         outside_blocks=sum(p.numel() for p in params if id(p) not in in_blocks),
         persistent=sum(p.numel() for p in params if p.numel() <= 10 * hidden),
-        saved=profile(model, block_class),
+        saved=profile(model, blocks),
         quantizable=quantizable, quantizable_rows=rows, optim_8bit=sum(optim_8bit),
         optim_8bit_tensors=len(optim_8bit),
     )

@@ -32,8 +32,9 @@ import torch
 
 from hftk.comm.collectives import BUCKET_BYTES, all_reduce_flat
 from hftk.config.options import RunConfig
-from hftk.config.support import check_family, check_lora
+from hftk.config.support import check_lora
 from hftk.core.errors import HftkError
+from hftk.models.spec import check_strategy, model_spec
 from hftk.strategies.mesh import LOOP_DEFAULTS as MESH_LOOP_DEFAULTS
 from hftk.strategies.mesh import mesh_step
 from hftk.strategies.parallel_dims import parallel_dims
@@ -61,7 +62,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
                         f"choose a block_size divisible by {s.sp_size}.")
     check_training_options(cfg, "sp")
     config = load_model_config(cfg.model)
-    check_family("sp", config.model_type)
+    check_strategy(model_spec(config, cfg.model.trust_remote_code), "sp", cfg.data.block_size)
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if heads % s.sp_size or (kv % s.sp_size and s.sp_size % kv):
         raise HftkError("strategy.sp_size", f"the model's {heads} attention heads ({kv} key/value heads) do not split "

@@ -81,12 +81,15 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
 
     from hftk.strategies import context
     from hftk.strategies.mesh import MeshLayout
-    from hftk.strategies.tp_plans import apply_tensor_parallel
+    from hftk.comm.collectives import all_reduce_flat
+    from hftk.strategies.tp_plans import apply_tensor_parallel, block_plan, partial_grad_params
 
     dims = parallel_dims(cfg.strategy, dist.get_world_size())
     replicate, shard, cp, tp = dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp
     mesh = dims.mesh(device_type, MESH_LOOP_DIMS)
+    partial: list[str] = []
     if tp > 1:
+        partial = partial_grad_params(model, block_plan(model.config))
         apply_tensor_parallel(model, mesh["tp"])
     if cp > 1:
         context.use_ring_attention(model)
@@ -94,6 +97,15 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     if data_size * cp > 1:
         shard_data_parallel(model, mesh, cfg.strategy.fsdp_reshard_after_forward)
     cp_rank = mesh["cp"].get_local_rank()
+    params = dict(model.named_parameters())
+    partial_params = [params[name] for name in partial if params[name].requires_grad]
+
+    def sum_partial_grads() -> None:
+        """Per-head norms (replicated, applied to this rank's heads): their gradients summed over the tp group."""
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in partial_params
+                 if p.grad is not None]
+        if grads:
+            all_reduce_flat(grads, mesh["tp"].get_group())
 
     @contextlib.contextmanager
     def loss_context() -> Any:
@@ -111,6 +123,7 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
                   "cp_size": cp, "tp_size": tp, "family": model.config.model_type, "vocab_parallel_loss": tp > 1},
         shard_batch=(lambda batch: context.shard_sequences(batch, cp, cp_rank)) if cp > 1 else (lambda batch: batch),
         loss_context=loss_context,
+        reduce_grads=sum_partial_grads,
     )
 
 

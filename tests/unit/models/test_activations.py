@@ -150,7 +150,7 @@ def test_a_block_input_autograd_drops_is_counted_however_addresses_are_reused():
             return hidden.exp()  # saves its output: the one storage kept outside the blocks
 
     model = Toy().to("meta")
-    total, checkpointed, _ = _trace(model, Block, 16, "eager")
+    total, checkpointed, _ = _trace(model, list(model.blocks), 16, "eager")
     ids, sequence = 16 * 8, 16 * 4 * 4  # the embedding keeps the ids; one (1, 16, 4) fp32 activation
     assert total == ids + sequence  # and exp's output
     assert checkpointed == ids + 65 * sequence  # plus 64 distinct block inputs

@@ -39,7 +39,8 @@ def test_lora_trains_only_the_adapters(tiny_shape):
 
     lora = model_shape(builtin_model_config("builtin:gpt2-tiny"), lora_r=4)
     real = get_peft_model(AutoModelForCausalLM.from_pretrained(materialize_model("builtin:gpt2-tiny")),
-                          lora_config(ModelConfig(lora_r=4), "gpt2"))  # the adapters a run adds
+                          lora_config(ModelConfig(lora_r=4), builtin_model_config("builtin:gpt2-tiny"),
+                                      conv1d=True))  # the adapters a run adds
     assert lora.trainable == sum(p.numel() for p in real.parameters() if p.requires_grad) > 0
     assert lora.params == tiny_shape.params + lora.trainable
     inputs = PlanInputs(world_size=2, device_memory_bytes=GIB, device="cpu")
@@ -183,7 +184,7 @@ def test_plan_counts_the_quantized_base_as_loaded(model, bits, double_quant):
                                                 device_map={"": "cpu"})
     options = ModelConfig(lora_r=8, load_in_4bit=bits == 4, load_in_8bit=bits == 8)
     peft = get_peft_model(prepare_model_for_kbit_training(base, use_gradient_checkpointing=False),
-                          lora_config(options, base.config.model_type))
+                          lora_config(options, base.config))
     counted = model_state_bytes(peft)["params"]
     inputs = PlanInputs(world_size=1, device_memory_bytes=2**30, device="cpu", quant_bits=bits,
                         double_quant=double_quant)
