@@ -171,12 +171,13 @@ def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout:
     return outputs
 
 
-def plain_reference(mode: str, out: Path, args: list[str], model: str = "builtin:gpt2-tiny",
+def plain_reference(mode: str, out: Path, args: list[str], model: str | Path = "builtin:gpt2-tiny",
                     timeout: float = 600) -> Path:
     """Train with tests/reference/plain.py -- a plain ``transformers.Trainer`` (``trainer``) or PyTorch
     loop (``loop``), in one plain process (a warm one whose server has not imported hftk), importing nothing
     from hftk -- on the folder of the built-in ``model`` and the shipped corpus, with TINY_ARGS' data and
     optimisation settings plus ``args``.
+    ``model``: a built-in name or a model folder.
     Returns ``out``: :func:`losses` and :func:`metrics` read its ``losses.json``, its weights are in
     ``out/final``."""
     from hftk.data.builtin import CORPUS, materialize_model
@@ -184,7 +185,8 @@ def plain_reference(mode: str, out: Path, args: list[str], model: str = "builtin
     shared = dict(zip(TINY_ARGS[::2], TINY_ARGS[1::2]))
     tiny = [x for key in ("--block_size", "--max_train_samples", "--lr_scheduler_type", "--warmup_steps",
                           "--learning_rate", "--seed") for x in (key, shared[key])]
-    result = Launch(*warm.launch([str(PLAIN)], [mode, "--model", str(materialize_model(model)), "--text", str(CORPUS),
+    folder = materialize_model(model) if str(model).startswith("builtin:") else Path(model)
+    result = Launch(*warm.launch([str(PLAIN)], [mode, "--model", str(folder), "--text", str(CORPUS),
                                                  "--out", str(out), *tiny, *args], 1, timeout, launcher=False, plain=True))
     assert result.returncode == 0, f"plain reference failed ({result.returncode}):\n{result.output[-6000:]}"
     assert json.loads((Path(out) / "losses.json").read_text())["hftk_loaded"] == []  # really not hftk

@@ -67,11 +67,7 @@ def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | N
 
     model = meta_model(model_config)
     hidden = _config_int(model_config, "hidden_size", "n_embd")
-    blocks = block_modules(model)
-    if not blocks:
-        raise HftkError("model.model_name_or_path", f"hftk cannot plan {model_config.model_type}: "
-                        f"{spec_of(model).structure_problem}.", "plan a decoder-only causal LM whose blocks "
-                        "transformers names (base_model_pp_plan or _no_split_modules).")
+    blocks = block_modules(model)  # none when they cannot be derived: FSDP then gathers the whole model as one unit
     if lora_r:  # the adapters the run would add (hftk.models.lora: same targets), so T counts only them
         from peft import get_peft_model
 
@@ -89,16 +85,21 @@ def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | N
         trainable=sum(p.numel() for p in params if p.requires_grad),
         trainable_tensors=sum(1 for p in params if p.requires_grad),
         hidden=hidden,
-        layers=len(blocks),
+        layers=len(blocks) or spec_of(model).layers,
         heads=_config_int(model_config, "num_attention_heads", "n_head"),
         vocab=_config_int(model_config, "vocab_size"),
-        largest_block=max(sum(p.numel() for p in b.parameters()) for b in blocks),
+        largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
         outside_blocks=sum(p.numel() for p in params if id(p) not in in_blocks),
         persistent=sum(p.numel() for p in params if p.numel() <= 10 * hidden),
-        saved=profile(model, blocks),
+        saved=profile(model, blocks, _sliding_window(spec_of(model))),
         quantizable=quantizable, quantizable_rows=rows, optim_8bit=sum(optim_8bit),
         optim_8bit_tensors=len(optim_8bit),
     )
+
+
+def _sliding_window(spec: Any) -> int | None:
+    """The window of the model's sliding layers (the activation trace's second regime), or None."""
+    return spec.sliding_window if "sliding_attention" in spec.layer_types else None
 
 
 def _quantizable(model: Any) -> tuple[int, int]:
@@ -496,12 +497,14 @@ def format_table(shape: ModelShape, inputs: PlanInputs, plans: list[StrategyPlan
             f"{(', DPO pairs, reference model ' + ('held' if inputs.reference else 'not held')) if inputs.pairs else ''}")
     cols = ["strategy", "params", "grads", "optimizer", "model state", "offloaded", "reference", "transient",
             "activations", "runtime", "peak", "fits"]
+    estimated = [p for p in plans if p.refused is None]
     rows = [[p.strategy, *(_size(v) for v in (p.params, p.grads, p.optimizer, p.model_state, p.offloaded, p.reference,
                                               p.transient, p.activations, p.runtime, p.device_total)),
-             "yes" if p.fits else "no"] for p in plans]
+             "yes" if p.fits else "no"] for p in estimated]
     widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]
     lines = [head, "", "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines += [f"{p.strategy.ljust(widths[0])}  refused: {p.refused}" for p in plans if p.refused is not None]
     budget = inputs.device_memory_bytes * (1 - HEADROOM)
     lines += ["", f"pick: {chosen.strategy}" if chosen else
               f"pick: none fits {budget / GIB:.2f} GiB ({HEADROOM:.0%} headroom kept)"]

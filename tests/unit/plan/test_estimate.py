@@ -304,3 +304,30 @@ def test_plan_command_counts_the_dpo_reference(capsys):
     assert _plan_cli("--model", "builtin:gpt2-tiny", "--world_size", "2", "--device_memory", "4", "--method", "dpo",
                      "--precompute_ref_log_probs", "--json") == 0
     assert all(p["reference"] == 0 for p in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["plans"])
+
+
+@pytest.mark.parametrize("family,refused", [("qwen3", ()), ("gemma3_text", ("cp2", "sp2")), ("phi3", ()),
+                                            ("olmo2", ()), ("smollm3", ())])
+def test_hftk_plan_gives_every_family_every_row_and_a_reason_where_it_cannot_run(family, refused, tmp_path, capsys):
+    """A folder holding only a config.json of the family, 8B-wide (8 of its layers: the plan reads their shapes),
+    asking "which strategy fits my model on 8 GPUs?": every data-parallel row, the tp / cp / sp rows asked for, and
+    where the family cannot run a layout (Gemma 3's 4096-token sliding window against 8192-token sequences under
+    cp and sp) a row saying why."""
+    from transformers import AutoConfig
+
+    from hftk.plan.estimate import plan_command
+
+    AutoConfig.for_model(family, hidden_size=4096, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=12288, vocab_size=151936, max_position_embeddings=32768).save_pretrained(tmp_path)
+    assert plan_command(["--model", str(tmp_path), "--world_size", "8", "--device_memory", "80", "--seq_len", "8192",
+                         "--gradient_checkpointing", "--mixed_precision", "bf16", "--tp_size", "2", "--cp_size", "2",
+                         "--sp_size", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in lines[3:] if line.strip() and not line.startswith("pick")}
+    assert {"ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload", "tp2", "cp2", "sp2"} <= set(rows)
+    for label, line in rows.items():
+        if label in refused:
+            assert "refused: " in line and "sliding_attention layers (window" in line, line
+        else:
+            assert "refused" not in line and line.rstrip().endswith(("yes", "no")), line
+    assert any(line.startswith("pick: ") for line in lines)
