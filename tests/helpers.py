@@ -340,6 +340,13 @@ FAMILY_QUIRKS: dict[str, dict[str, Any]] = {
     "gemma3_text": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
                     "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
     "smollm3": {"no_rope_layers": [1, 0]},
+    # mixtures of experts: 4 experts, top-2, each family's own twist kept: Qwen3-MoE's dense first layer, gpt-oss's
+    # sliding / full layers with attention sinks and biased router, OLMoE's full-width q/k norms
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "mlp_only_layers": [0]},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention"]},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
 }
 
 

@@ -60,6 +60,33 @@ STRUCTURE_STRATEGIES = ("pipeline", "tp", "cp", "sp")
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts model's sparse parts, as paths inside a decoder block (``mlp.experts``), read off the
+    modules: the experts (transformers 5 fuses them into 3-D parameters, expert dimension first; or one module
+    per expert), the router whose logits transformers records (``_can_record_outputs["router_logits"]``), their
+    common parent (the sparse block) and what else it holds (shared experts beside the routed ones)."""
+
+    experts: str
+    fused: bool  # one module holding [E, ...] parameters (else a ModuleList of E expert modules)
+    expert_params: tuple[str, ...]  # the fused module's parameters (gate_up_proj, down_proj, their biases)
+    router: str
+    router_logits_index: int  # where the router's output holds its logits
+    sparse_block: str
+    sparse_block_class: str
+    shared: tuple[str, ...]  # the sparse block's other children with weights (shared experts, their gates)
+    num_experts: int
+    top_k: int
+    layers: tuple[int, ...]  # the blocks that have experts (dense layers first, or MoE every k-th layer)
+    aux_coef: float | None  # router_aux_loss_coef when the model adds the balancing loss itself, else None
+
+    @property
+    def lora_target_parameters(self) -> tuple[str, ...]:
+        """PEFT ``target_parameters`` for fused experts: their 3-D weights (PEFT matches names by suffix)."""
+        return tuple(f"{self.experts}.{p}" for p in self.expert_params if not p.endswith("_bias")) if self.fused \
+            else ()
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One causal LM's structure, as names relative to the causal-LM module (``model.layers``...)."""
 
@@ -88,6 +115,7 @@ class ModelSpec:
     # why DeepSpeed Ulysses (strategy sp) cannot take over the attention: it replaces transformers' registered
     # attention function and needs the position ids there; None when every attention layer calls it with them
     ulysses_problem: str | None = None
+    moe: MoESpec | None = None  # mixture of experts: its sparse parts
 
     @property
     def has_structure(self) -> bool:
@@ -154,9 +182,11 @@ def derive(config: Any, trust_remote_code: bool = False) -> ModelSpec:
         **common, source=source, backbone=backbone_name, blocks=blocks_name, block_classes=tuple(dict.fromkeys(type(b).__name__ for b in blocks)), block_returns=returns,
         before_blocks=before, after_blocks=after, embedding=embedding_name, head=head_name,
         tied=head is not None and embedding is not None and head.weight is embedding.weight, outside=outside,
-        lora_targets=_linear_leaves(blocks), tp_plan=plan, tp_problem=problem,
+        lora_targets=_linear_leaves(blocks, {r.target_class} if (r := _router_recorder(model)) else set()),
+        tp_plan=plan, tp_problem=problem,
         attention_sinks=any(n.rsplit(".", 1)[-1] == "sinks" for n, _ in blocks.named_parameters()),
         ulysses_problem=_attention_problem(config, trust_remote_code, layers),
+        moe=_moe(model, blocks, text),
     )
 
 
@@ -283,14 +313,61 @@ def _attention_problem(config: Any, trust_remote_code: bool, layers: int) -> str
     return None
 
 
-def _linear_leaves(blocks: nn.ModuleList) -> tuple[str, ...]:
-    """Leaf names of every linear projection in the blocks, in the order the first block that has it lists it."""
+def _linear_leaves(blocks: nn.ModuleList, exclude: set[type] = frozenset()) -> tuple[str, ...]:
+    """Leaf names of every linear projection in the blocks, in the order the first block that has it lists it
+    (a router's, ``exclude``, left out: adapting where tokens go is not what LoRA on a model means)."""
     seen: dict[str, None] = {}
     for block in blocks:
         for name, module in block.named_modules():
-            if name and (isinstance(module, nn.Linear) or type(module).__name__ in LINEAR_TYPES):
+            if name and type(module) not in exclude and (isinstance(module, nn.Linear)
+                                                       or type(module).__name__ in LINEAR_TYPES):
                 seen.setdefault(name.rsplit(".", 1)[-1], None)
     return tuple(seen)
+
+
+def _router_recorder(model: nn.Module) -> Any:
+    """transformers' OutputRecorder of the router logits (its class and where its output holds them), or None."""
+    for owner in (model, *model.modules()):
+        record = (getattr(owner, "_can_record_outputs", None) or {}).get("router_logits")
+        if record is not None and hasattr(record, "target_class"):
+            return record
+    return None
+
+
+def _moe(model: nn.Module, blocks: nn.ModuleList, text: Any) -> MoESpec | None:
+    """The sparse parts, where the blocks hold experts: fused (a module with ``num_experts`` and [E, ...]
+    parameters) or one module per expert (a ModuleList of ``num_experts``)."""
+    recorder = _router_recorder(model)
+    found: list[tuple[int, str, nn.Module, bool]] = []
+    for i, block in enumerate(blocks):
+        for name, module in block.named_modules():
+            count = getattr(module, "num_experts", None)
+            fused = isinstance(count, int) and any(p.ndim == 3 and p.shape[0] == count
+                                                   for p in module.parameters(recurse=False))
+            listed = isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts" and len(module) > 1
+            if fused or listed:
+                found.append((i, name, module, fused))
+                break
+    if not found or recorder is None:
+        return None
+    _, experts_name, experts, fused = found[0]
+    block = blocks[found[0][0]]
+    router_name = next((n for n, m in block.named_modules() if isinstance(m, recorder.target_class)), "")
+    parent = experts_name.rpartition(".")[0]
+    sparse = block.get_submodule(parent) if parent else block
+    local = {experts_name.rpartition(".")[2], router_name.rpartition(".")[2]}
+    shared = tuple(f"{parent}.{n}" if parent else n for n, child in sparse.named_children()
+                   if n not in local and any(True for _ in child.parameters()))
+    num = experts.num_experts if fused else len(experts)
+    return MoESpec(
+        experts=experts_name, fused=fused,
+        expert_params=tuple(n for n, _ in experts.named_parameters(recurse=False)) if fused else (),
+        router=router_name, router_logits_index=recorder.index, sparse_block=parent,
+        sparse_block_class=type(sparse).__name__, shared=shared, num_experts=num,
+        top_k=int(getattr(text, "num_experts_per_tok", 0) or getattr(text, "top_k", 0) or 1),
+        layers=tuple(i for i, *_ in found),
+        aux_coef=getattr(model, "router_aux_loss_coef", None),
+    )
 
 
 def _tp_plan(config: Any, model: nn.Module, backbone: str) -> tuple[dict[str, str], str | None]:
@@ -324,6 +401,9 @@ def strategy_refusal(spec: ModelSpec, strategy: str, block_size: int | None = No
                        "which no pipeline stage would know where to run")
     if strategy == "tp" and spec.tp_problem:
         return _refuse(spec, strategy, f"it has no tensor-parallel plan hftk can apply: {spec.tp_problem}")
+    if strategy in ("cp", "sp") and spec.moe is not None and spec.moe.aux_coef is not None:
+        return _refuse(spec, strategy, "its router's balancing loss counts the tokens of whole sequences, and "
+                       f"under {strategy} each rank routes a slice of them")
     if strategy == "cp" and (why := causal_only_problem(spec, block_size, "ring attention")):
         return _refuse(spec, strategy, why)
     if strategy == "sp":

@@ -35,6 +35,7 @@ import torch.nn as nn
 from hftk.comm.collectives import all_reduce_flat, gather_objects
 from hftk.config.options import RunConfig, StrategyConfig
 from hftk.core.errors import HftkError
+from hftk.models import moe
 from hftk.models.layout import DecoderLayout, layout
 from hftk.models.spec import check_strategy, model_spec
 from hftk.strategies.parallel_dims import ParallelDims, parallel_dims
@@ -282,28 +283,51 @@ class DecoderStage(nn.Module):
         # tuples: the model, its backbone and the view are reached through, not owned (no double registration)
         self._model, self._backbone, self._view = (parts.model,), (parts.backbone,), (nn.ModuleList(view),)
         self._blocks_name = parts.spec.blocks
+        # Mixture of experts with a balancing loss: the running sums of every MoE layer's router travel with the
+        # hidden states, and the last stage adds the loss they make (hftk.models.moe.add_balance_sums)
+        moe = parts.spec.moe
+        self._moe = moe if moe is not None and moe.aux_coef is not None else None
+        self._routers = [parts.blocks[i].get_submodule(moe.router) for i in self.block_indices
+                         if i in moe.layers] if self._moe else []
 
-    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, *carried: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> Any:
         """``position_ids`` (packing bfd: restarting per example, no ``attention_mask``) reach every stage with
-        the batch; the model's mask makers then build the packed block-diagonal mask from them."""
+        the batch; the model's mask makers then build the packed block-diagonal mask from them. ``carried``: the
+        balancing loss's running sums from the stages before (mixture of experts)."""
         model, backbone = self._model[0], self._backbone[0]
         kwargs: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+        if self._moe:  # the stage adds the balancing loss itself: the model would see this stage's routers only
+            kwargs["output_router_logits"] = False
         if self.first:
             kwargs["input_ids"] = inputs
         else:
             self._box["input"] = inputs
             kwargs["inputs_embeds"] = torch.zeros_like(inputs)
+        logits: list[torch.Tensor] = []
+        index = self._moe.router_logits_index if self._moe else 0
+        hooks = [r.register_forward_hook(lambda _m, _a, out: logits.append(out[index])) for r in self._routers]
         own = backbone._modules[self._blocks_name]
         backbone._modules[self._blocks_name] = self._view[0]
         try:
             if self.last:
-                return model(**kwargs).logits
-            backbone(**kwargs)
-            return self._box["output"]
+                out = model(**kwargs).logits
+            else:
+                backbone(**kwargs)
+                out = self._box["output"]
         finally:
             backbone._modules[self._blocks_name] = own
             self._box.clear()
+            for hook in hooks:
+                hook.remove()
+        if not self._moe:
+            return out
+        sums = carried[0] if carried else torch.zeros(2 * self._moe.num_experts + 1, device=inputs.device)
+        for layer_logits in logits:
+            sums = moe.add_balance_sums(sums, layer_logits, self._moe.top_k, attention_mask)
+        if not self.last:
+            return out, sums
+        return out, moe.balance_loss(sums)  # the loss function weighs it beside the cross-entropy (TokenLoss)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's tensors under the full model's names."""
@@ -393,20 +417,29 @@ def topology(pp_size: int, device: torch.device) -> Topology:
 # ---------------------------------------------------------------------------------------------
 
 class TokenLoss:
-    """The model's own causal-LM loss, divided by the token count of the whole optimizer step.
+    """The model's own causal-LM loss, divided by the token count of the whole optimizer step; with a mixture of
+    experts' balancing loss beside the logits (the last stage's output ``(logits, balancing loss)``), plus that
+    loss weighted by the model's ``router_aux_loss_coef`` (:mod:`hftk.models.moe`) while training.
 
     ``divisor`` is set before every schedule step (training: tokens of all micro-batches,
-    accumulation steps and replicas; evaluation: 1, i.e. a sum).
+    accumulation steps and replicas; evaluation: 1, i.e. a sum, and no balancing term).
     """
 
-    def __init__(self, loss_function: Any, vocab_size: int) -> None:
-        self.loss_function = loss_function
+    def __init__(self, model: nn.Module, vocab_size: int) -> None:
+        self.model = model
         self.vocab_size = vocab_size
         self.divisor: torch.Tensor | float = 1.0
+        self.training = True
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
-                                  num_items_in_batch=self.divisor)
+    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
+                 ) -> torch.Tensor:
+        logits, balance = output if isinstance(output, tuple) else (output, None)
+        loss = self.model.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
+                                        num_items_in_batch=self.divisor)
+        if balance is None or not self.training:
+            return loss
+        moe.record_balance(self.model, float(balance.detach()))
+        return loss + self.model.router_aux_loss_coef * balance
 
 
 @dataclass
@@ -458,7 +491,7 @@ def build_runtime(model: nn.Module, s: StrategyConfig, topo: Topology, bf16: boo
     keep_only(model, mine)
     parts.model.to(topo.device)  # the stages' modules and what every stage runs (rotary tables); stand-ins stay meta
     pipe_stages = [PipelineStage(stage, i, n_stages, topo.device, group=topo.pp_group) for stage, i in zip(mine, indices)]
-    loss = TokenLoss(model.loss_function, model.config.vocab_size)
+    loss = TokenLoss(parts.model, model.config.vocab_size)
     cls = schedule_class(s.pp_schedule)
     target = pipe_stages if per_rank > 1 else pipe_stages[0]
     schedule = cls(target, n_microbatches=s.pp_microbatches, loss_fn=loss, scale_grads=False)
@@ -488,7 +521,7 @@ def forward_backward(rt: PipelineRuntime, batch: dict[str, torch.Tensor], diviso
     """One batch through the pipeline, gradients accumulated; returns this rank's loss sum (0 off the last stage)."""
     for stage in rt.stages:
         stage.train()
-    rt.loss.divisor = divisor
+    rt.loss.divisor, rt.loss.training = divisor, True
     args, kwargs = _schedule_inputs(rt, batch)
     with _autocast(rt):
         rt.schedule.step(*args, return_outputs=False, **kwargs)
@@ -500,7 +533,7 @@ def evaluate_batch(rt: PipelineRuntime, batch: dict[str, torch.Tensor]) -> torch
     """Summed token loss of one batch on the last stage (0 elsewhere)."""
     for stage in rt.stages:
         stage.eval()
-    rt.loss.divisor = 1.0
+    rt.loss.divisor, rt.loss.training = 1.0, False
     args, kwargs = _schedule_inputs(rt, batch)
     with torch.no_grad(), _autocast(rt):
         rt.schedule.eval(*args, return_outputs=False, **kwargs)

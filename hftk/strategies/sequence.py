@@ -102,7 +102,10 @@ def register_ulysses(model: Any, group: Any) -> None:
                 disable_in_eval=False,
             )
         # The mask HF built is for the local slice; causal SDPA over the gathered sequence replaces it.
-        return adapters[batch](module, query, key, value, None, *args, **kwargs)
+        out, weights = adapters[batch](module, query, key, value, None, *args, **kwargs)
+        # DeepSpeed hands back (batch, local sequence, heads x head_dim); transformers' SDPA gives (batch, sequence,
+        # heads, head_dim), which models that merge heads from the output's own shape (GPT-2) need
+        return out.view(*out.shape[:2], query.shape[1], -1), weights
 
     ALL_ATTENTION_FUNCTIONS[ATTENTION] = attention
 

@@ -183,6 +183,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
     names = {module: name for name, module in model.named_modules()}
+    # the plan's patterns resolved to the modules that exist (a dense layer's MLP entries match no MoE layer)
+    plan = {name: style for name, _, style in _styled(model, plan)}
     plan.setdefault(names[embedding], "embedding_rowwise")
     styles = to_parallel_styles(plan)
     if head is not None:

@@ -8,7 +8,7 @@ import pytest
 import torch.nn as nn
 from transformers import AutoConfig
 
-from hftk.models.spec import model_spec, strategy_refusal
+from hftk.models.spec import causal_only_problem, model_spec, strategy_refusal
 
 _ATTENTION_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The rows of the hand-written table the resolver replaced (config/family_table.py until 2026-12-06):
@@ -59,7 +59,7 @@ def test_quirks_are_read_from_the_config():
     olmo2_plan = model_spec(AutoConfig.for_model("olmo2")).tp_plan
     assert olmo2_plan["model.layers.*.self_attn.q_proj"] == "colwise_gather_output"
     sinks = model_spec(AutoConfig.for_model("gpt_oss", num_hidden_layers=2, layer_types=["full_attention"] * 2))
-    assert sinks.attention_sinks and "sinks" in strategy_refusal(sinks, "cp").problem
+    assert sinks.attention_sinks and "sinks" in causal_only_problem(sinks, None, "ring attention")
 
 
 def test_old_style_blocks_that_return_tuples_are_refused_by_pipeline_only():
@@ -197,3 +197,24 @@ def test_a_remote_code_model_without_derivable_structure_is_one_line_before_laun
                                "base_model_pp_plan and its model class names no block in _no_split_modules."), lines[0]
     assert "Fix: train it with ddp, fsdp, zero1, zero2, zero3, zero3_offload" in lines[0]
     assert not out.exists()
+
+
+def test_a_mixture_of_experts_is_read_off_its_modules():
+    """Experts fused or not, the router transformers records, the shared experts beside them, dense layers first:
+    read from the model, for families hftk has never listed."""
+    qwen3 = model_spec(AutoConfig.for_model("qwen3_moe", num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                                            mlp_only_layers=[0])).moe
+    assert (qwen3.experts, qwen3.router, qwen3.fused, qwen3.num_experts, qwen3.top_k) == \
+        ("mlp.experts", "mlp.gate", True, 4, 2)
+    assert qwen3.layers == (1, 2) and qwen3.lora_target_parameters == ("mlp.experts.gate_up_proj",
+                                                                         "mlp.experts.down_proj")
+    shared = model_spec(AutoConfig.for_model("qwen2_moe", num_hidden_layers=2, num_experts=4)).moe
+    assert shared.shared == ("mlp.shared_expert", "mlp.shared_expert_gate")
+    oss = model_spec(AutoConfig.for_model("gpt_oss", num_hidden_layers=2, num_local_experts=4,
+                                          layer_types=["sliding_attention", "full_attention"]))
+    assert oss.moe.router == "mlp.router" and "gate_up_proj_bias" in oss.moe.expert_params
+    assert "router" not in oss.lora_targets  # where tokens go is not adapted
+    assert "balancing loss" in strategy_refusal(oss, "sp").problem
+    aux_free = AutoConfig.for_model("deepseek_v3", num_hidden_layers=2, n_routed_experts=4, first_k_dense_replace=1)
+    assert model_spec(aux_free).moe.aux_coef is None  # it balances with a bias, not a loss
+    assert model_spec(AutoConfig.for_model("llama")).moe is None

@@ -185,3 +185,47 @@ def test_bfd_example_through_pipeline_stages_equals_the_example_alone(family_mod
         for stage in build_stages(model, 2):
             hidden = stage(hidden, position_ids=batch["position_ids"])
     assert_examples_apart(model, items, {k: v[:-1] for k, v in batch.items()}, hidden[:-1])
+
+
+MOE_CONFIGS = {  # 4 experts, top-2, 4 layers: the balancing loss's sums cross the stage boundaries
+    "qwen3_moe": {**SMALL, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "mlp_only_layers": [0]},
+    "mixtral": {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "gpt_oss": {**SMALL, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
+                "layer_types": ["sliding_attention", "full_attention"] * 2},
+    "olmoe": {**SMALL, "num_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_CONFIGS))
+def test_moe_stage_chain_gives_the_models_logits_and_its_whole_balancing_loss(family):
+    """Each stage adds its MoE layers' routing to sums carried to the next; the last stage's balancing loss
+    equals the one the model computes over all its layers at once (padding mask included), and its gradient
+    reaches every stage's routers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hftk.strategies.pipeline import build_stages
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **MOE_CONFIGS[family]))
+    model.set_experts_implementation("eager")
+    ids = torch.randint(0, 128, (3, 20))
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+    ref = model.eval()(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    (model.router_aux_loss_coef * ref.aux_loss).backward()  # the balancing loss's own gradient, whole model
+    want = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    for n in (2, 4):
+        stages = build_stages(model, n)
+        carried, hidden = (), ids
+        for stage in stages:
+            hidden, *carried = stage.train()(hidden, *carried, attention_mask=mask)
+        assert torch.allclose(hidden, ref.logits, atol=1e-6), n
+        (aux,) = carried  # the last stage's output: (logits, the balancing loss over every stage's routers)
+        assert float(aux) == pytest.approx(float(ref.aux_loss), rel=1e-6), n
+        (model.router_aux_loss_coef * aux).backward()  # its gradient crosses the stages through the carried sums
+        got = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        assert want.keys() == got.keys(), n
+        assert all(torch.allclose(got[k], want[k], atol=1e-9, rtol=1e-5) for k in want), n
+        model.zero_grad()
