@@ -30,6 +30,7 @@ import torch.nn as nn
 from hftk.config.strategy_table import STRATEGIES
 from hftk.config.support import Refusal
 from hftk.core.errors import HftkError
+from hftk.models.activations import experts_on_meta
 
 FIELD = "model.model_name_or_path"
 # Besides nn.Linear and its subclasses: module types PEFT's LoRA wraps as linear projections (transformers' Conv1D
@@ -140,15 +141,15 @@ def model_spec(config: Any, trust_remote_code: bool = False) -> ModelSpec:
 
 def meta_model(config: Any, trust_remote_code: bool = False) -> nn.Module:
     """The causal LM of ``config`` on the meta device: its module tree and shapes, no memory. Its experts (MoE)
-    run transformers' ``batched_mm``, which traces on the meta device (``grouped_mm`` wants real 16-bit inputs)."""
+    run ``grouped_mm``, as training runs them (forwards traced under :func:`experts_on_meta`)."""
     from transformers import AutoModelForCausalLM
 
     # torch's meta device, not accelerate's init_empty_weights: under the latter transformers 5 leaves tied
     # embeddings untied, and a tied head would count twice.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    if getattr(model.config, "_experts_implementation", None) not in (None, "batched_mm"):
-        model.set_experts_implementation("batched_mm")
+    if any(p.ndim == 3 for p in model.parameters()):  # fused experts (dense models refuse the call)
+        model.set_experts_implementation("grouped_mm")
     return model
 
 
@@ -259,7 +260,8 @@ def _trace(model: nn.Module, backbone: nn.Module, blocks: str) -> tuple[list[str
                for n, c in targets]
     handles.append(first.register_forward_hook(lambda _m, _a, out: returned.append(type(out).__name__)))
     try:
-        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"))
+        with experts_on_meta():
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"))
     except Exception as exc:  # any failure means the order is unknown, which the caller reports
         return f"its forward could not be traced on the meta device ({type(exc).__name__}: {str(exc)[:120]})"
     finally:
@@ -298,10 +300,11 @@ def _attention_problem(config: Any, trust_remote_code: bool, layers: int) -> str
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=PROBE_ATTENTION,
                                                      trust_remote_code=trust_remote_code)
-        if getattr(model.config, "_experts_implementation", None) not in (None, "batched_mm"):
-            model.set_experts_implementation("batched_mm")
-        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"),
-              position_ids=torch.arange(4, device="meta")[None])
+        if any(p.ndim == 3 for p in model.parameters()):  # fused experts (dense models refuse the call)
+            model.set_experts_implementation("grouped_mm")
+        with experts_on_meta():
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"),
+                  position_ids=torch.arange(4, device="meta")[None])
     except Exception as exc:  # a model that cannot run this way is refused by sp, saying why
         return f"its attention could not be traced on the meta device ({type(exc).__name__}: {str(exc)[:120]})"
     if not calls:

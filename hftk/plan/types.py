@@ -47,6 +47,8 @@ class ModelShape:
     quantizable_rows: int = 0  # their output rows (8-bit: one fp32 scale each)
     optim_8bit: int = 0  # trainable elements an 8-bit optimizer keeps in 8 bits
     optim_8bit_tensors: int = 0
+    experts: int = 0  # a mixture of experts' expert weights (all held, whatever a token uses)
+    active: int = 0  # the parameters one token uses (its top-k experts of each MoE layer); 0: all of them
 
 
 @dataclass(frozen=True)
