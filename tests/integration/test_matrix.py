@@ -13,7 +13,10 @@ replica).
 The reference of each family is tests/reference/plain.py's loop (no hftk, no Trainer) on one process at batch 2 with
 torch's AdamW, which every cell is given (``--optim adamw_torch``), and the Trainer's loss divisor (the predicted
 tokens for a ``...ForCausalLM`` class, every label otherwise; the mesh strategies, tp / cp / sp, always divide by
-the predicted tokens). Its LoRA runs are PEFT's own ``all-linear`` targets, which hftk's default targets must equal.
+the predicted tokens). Its LoRA runs are PEFT's own ``all-linear`` targets (and a mixture of experts' 3-D expert
+weights), which hftk's default targets must equal. A mixture of experts' balancing loss is the mean over a step's
+micro-batches: the reference cuts its batch as the cell does (one row per rank under the Trainer's strategies, the
+pipeline's two micro-batches; tp's one batch of two) and runs the experts as hftk does (grouped_mm).
 Each cell's per-step losses and final weights (the adapter's, for LoRA) equal the reference's within 1e-5.
 """
 
@@ -78,8 +81,14 @@ def divisor(model: Path, strategy: str) -> str:
     return "targets" if strategy in MESH or architecture.endswith("ForCausalLM") else "labels"
 
 
-def reference_name(family: str, lora: bool, loss_divisor: str) -> str:
-    return f"ref-{family}-{'lora' if lora else 'full'}-{loss_divisor}"
+def micro_batches(strategy: str, moe: bool) -> int:
+    """How the cell cuts its batch of 2 for a mixture of experts' balancing loss (1 for a dense model: its loss is
+    the same however the batch is cut)."""
+    return 1 if not moe or strategy in MESH else 2
+
+
+def reference_name(family: str, lora: bool, loss_divisor: str, micro: int) -> str:
+    return f"ref-{family}-{'lora' if lora else 'full'}-{loss_divisor}-{micro}"
 
 
 def weights(final: Path, lora: bool) -> dict[str, Any]:
@@ -106,6 +115,10 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
            ) -> tuple[dict[tuple[str, str, str], Any], dict[str, Path]]:
     """Every cell's outcome: ``"trains"`` (ran, losses and final weights equal to its reference, ``final/`` loaded
     back; QLoRA: finite losses) or its Refusal; and the model folder of each family."""
+    from transformers import AutoConfig
+
+    from hftk.models.spec import model_spec
+
     root = tmp_path_factory.mktemp("matrix")
     start = time.perf_counter()
     models = {family: make_family(family, root / "models" / family) for family in MATRIX_FAMILIES}
@@ -125,15 +138,19 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
                         continue
                     ref = None
                     if variant != "qlora":
-                        ref = reference_name(family, variant == "lora", divisor(model, strategy))
-                        references[ref] = (model, variant == "lora", divisor(model, strategy))
+                        moe = model_spec(AutoConfig.from_pretrained(model)).moe is not None
+                        key = (model, variant == "lora", divisor(model, strategy), micro_batches(strategy, moe))
+                        ref = reference_name(family, *key[1:])
+                        references[ref] = (*key, moe)
                     cells.append({"name": out.name, "argv": argv, "key": (strategy, family, variant), "out": out,
                                   "ref": ref})
     began = time.perf_counter()
-    for name, (model, lora, loss_divisor) in references.items():
+    for name, (model, lora, loss_divisor, micro, moe) in references.items():
         plain_reference("loop", root / name, ["--max_steps", str(STEPS), "--batch_size", "2", "--block_size",
                                               str(BLOCK), "--max_train_samples", "200", "--optim", "adamw_torch",
-                                              "--loss_divisor", loss_divisor, *(["--lora_r", "4"] if lora else [])],
+                                              "--loss_divisor", loss_divisor, "--micro_batches", str(micro),
+                                              *(["--lora_r", "4"] if lora else []),
+                                              *(["--experts_implementation", "grouped_mm"] if moe else [])],
                         model=model)
     referenced = time.perf_counter() - began
     began = time.perf_counter()
