@@ -125,6 +125,12 @@ def validate(cfg: RunConfig, model_config: Any) -> None:
         raise HftkError("model.lora_alpha", f"must be > 0, got {m.lora_alpha}.", "use e.g. 16 (scale = alpha / r).")
     if not 0 <= m.lora_dropout < 1:
         raise HftkError("model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}.", "use e.g. 0.05 or 0.")
+    if cfg.preference.method != "sft" and target_parameters(m, model_config):
+        raise HftkError("model.lora_target_modules", f"the default LoRA targets include the experts' fused weights "
+                        f"(PEFT target_parameters), and TRL's {cfg.preference.method} copies the adapter into a frozen "
+                        "reference adapter, which PEFT cannot do beside parameter adapters.",
+                        "pass --lora_target_modules with the linear layers only (e.g. q_proj,k_proj,v_proj,o_proj), "
+                        "or train the full model (lora_r 0).")
     if m.lora_dropout and target_parameters(m, model_config):
         raise HftkError("model.lora_dropout", f"is {m.lora_dropout}, but the default targets include the experts' "
                         "fused weights, whose PEFT adapters take no dropout.", "pass --lora_dropout 0, or "

@@ -79,3 +79,30 @@ def test_a_negative_or_pointless_balancing_weight_is_refused():
     aux_free = AutoConfig.for_model("deepseek_v3", num_hidden_layers=2, n_routed_experts=4, first_k_dense_replace=1)
     with pytest.raises(HftkError, match="adds no balancing loss"):
         moe.check_options(cfg, model_spec(aux_free))
+
+
+@pytest.mark.parametrize("args,field,words", [
+    (["--method", "dpo", "--lora_r", "4"], "model.lora_target_modules", "frozen reference adapter"),
+    (["--lora_r", "4", "--lora_dropout", "0.1"], "model.lora_dropout", "take no dropout"),
+    (["--strategy", "cp", "--cp_size", "2"], "model.model_name_or_path", "balancing loss"),
+])
+def test_what_the_experts_cannot_do_is_one_line_before_launch(args, field, words, tmp_path, monkeypatch, capsys):
+    import json
+
+    from hftk.data.builtin import materialize_model
+    from hftk.run.prepare import main
+    from tests.helpers import TINY_ARGS, TWO_RANKS
+
+    for key, value in TWO_RANKS.items():
+        monkeypatch.setenv(key, value)
+    folder = tmp_path / "qwen3_moe"
+    AutoConfig.for_model("qwen3_moe", **{**SMALL, "vocab_size": 2050}).save_pretrained(folder)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": "a", "chosen": " b", "rejected": " c"}) + "\n" for _ in range(20)))
+    data = ["--dataset", str(pairs)] if "dpo" in args else []
+    out = tmp_path / "out"
+    assert main([*TINY_ARGS, "--model_name_or_path", str(folder), "--tokenizer_name_or_path",
+                 str(materialize_model("builtin:gpt2-tiny")),
+                 *data, *args, "--output_dir", str(out)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"hftk: error: {field}:") and words in lines[0], lines
