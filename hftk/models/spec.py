@@ -20,7 +20,7 @@ the strategies that need the structure (pipeline, tp, cp, sp) refuse it by name 
 
 from __future__ import annotations
 
-import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +139,20 @@ def model_spec(config: Any, trust_remote_code: bool = False) -> ModelSpec:
     return _SPECS[key]
 
 
+@contextmanager
+def _outside_zero3() -> Any:
+    """transformers builds every model under ZeRO-3's partitioned init once a ZeRO-3 ``TrainingArguments`` exists
+    in the process (a global it keeps); a meta-device model must not be: its weight init would copy from meta."""
+    from transformers.integrations import deepspeed
+
+    saved = deepspeed._hf_deepspeed_config_weak_ref  # no public getter; set / unset are its public API
+    deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
 def meta_model(config: Any, trust_remote_code: bool = False) -> nn.Module:
     """The causal LM of ``config`` on the meta device: its module tree and shapes, no memory. Its experts (MoE)
     run ``grouped_mm``, as training runs them (forwards traced under :func:`experts_on_meta`)."""
@@ -146,7 +160,7 @@ def meta_model(config: Any, trust_remote_code: bool = False) -> nn.Module:
 
     # torch's meta device, not accelerate's init_empty_weights: under the latter transformers 5 leaves tied
     # embeddings untied, and a tied head would count twice.
-    with torch.device("meta"):
+    with torch.device("meta"), _outside_zero3():
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     if any(p.ndim == 3 for p in model.parameters()):  # fused experts (dense models refuse the call)
         model.set_experts_implementation("grouped_mm")
@@ -297,7 +311,7 @@ def _attention_problem(config: Any, trust_remote_code: bool, layers: int) -> str
 
     ALL_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, record)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _outside_zero3():
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=PROBE_ATTENTION,
                                                      trust_remote_code=trust_remote_code)
         if any(p.ndim == 3 for p in model.parameters()):  # fused experts (dense models refuse the call)
