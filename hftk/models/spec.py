@@ -122,10 +122,6 @@ class ModelSpec:
     def has_structure(self) -> bool:
         return self.structure_problem is None
 
-    def full(self, name: str) -> str:
-        """A backbone child's name relative to the causal LM."""
-        return f"{self.backbone}.{name}" if self.backbone else name
-
 
 _SPECS: dict[tuple[str, bool], ModelSpec] = {}
 
@@ -192,9 +188,10 @@ def derive(config: Any, trust_remote_code: bool = False) -> ModelSpec:
     inside = {id(p) for p in backbone.parameters()} | ({id(p) for p in head.parameters()} if head is not None else set())
     outside = _top_most({n.rsplit(".", 1)[0] for n, p in model.named_parameters() if id(p) not in inside},
                         backbone_name)
-    plan, problem = _tp_plan(config, model, backbone_name)
+    plan, problem = _tp_plan(config, backbone_name)
     return ModelSpec(
-        **common, source=source, backbone=backbone_name, blocks=blocks_name, block_classes=tuple(dict.fromkeys(type(b).__name__ for b in blocks)), block_returns=returns,
+        **common, source=source, backbone=backbone_name, blocks=blocks_name,
+        block_classes=tuple(dict.fromkeys(type(b).__name__ for b in blocks)), block_returns=returns,
         before_blocks=before, after_blocks=after, embedding=embedding_name, head=head_name,
         tied=head is not None and embedding is not None and head.weight is embedding.weight, outside=outside,
         lora_targets=_linear_leaves(blocks, {r.target_class} if (r := _router_recorder(model)) else set()),
@@ -387,7 +384,7 @@ def _moe(model: nn.Module, blocks: nn.ModuleList, text: Any) -> MoESpec | None:
     )
 
 
-def _tp_plan(config: Any, model: nn.Module, backbone: str) -> tuple[dict[str, str], str | None]:
+def _tp_plan(config: Any, backbone: str) -> tuple[dict[str, str], str | None]:
     """The tensor-parallel plan relative to the causal LM, and why tp cannot use it (None when it can)."""
     if config.model_type in TP_PLAN_OVERRIDES:
         return dict(TP_PLAN_OVERRIDES[config.model_type]), None
