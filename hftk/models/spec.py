@@ -20,6 +20,7 @@ the strategies that need the structure (pipeline, tp, cp, sp) refuse it by name 
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,12 +125,17 @@ class ModelSpec:
 
 
 _SPECS: dict[tuple[str, bool], ModelSpec] = {}
+# Config fields a loaded model may differ in from its config file (the dtype it was loaded in, the run's switches)
+# and that change nothing of its structure: the spec is kept across them.
+SPEC_BLIND = frozenset({"dtype", "torch_dtype", "transformers_version", "_name_or_path", "use_cache",
+                        "output_router_logits"})
 
 
 def model_spec(config: Any, trust_remote_code: bool = False) -> ModelSpec:
     """The :class:`ModelSpec` of the causal LM ``config`` describes (kept per config: validation, the plan and
     the strategies ask it several times in a run)."""
-    key = (config.to_json_string(use_diff=False), trust_remote_code)
+    described = {k: v for k, v in config.to_dict().items() if k not in SPEC_BLIND}
+    key = (json.dumps(described, sort_keys=True, default=str), trust_remote_code)
     if key not in _SPECS:
         _SPECS[key] = derive(config, trust_remote_code)
     return _SPECS[key]
