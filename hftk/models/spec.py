@@ -21,7 +21,7 @@ the strategies that need the structure (pipeline, tp, cp, sp) refuse it by name 
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +117,9 @@ class ModelSpec:
     # why DeepSpeed Ulysses (strategy sp) cannot take over the attention: it replaces transformers' registered
     # attention function and needs the position ids there; None when every attention layer calls it with them
     ulysses_problem: str | None = None
+    # why examples packed into one row (position ids restarting per example, no attention mask: data.packing bfd)
+    # would attend to each other; None when the model's masks keep them apart
+    packing_problem: str | None = None
     moe: MoESpec | None = None  # mixture of experts: its sparse parts
 
     @property
@@ -195,6 +198,7 @@ def derive(config: Any, trust_remote_code: bool = False) -> ModelSpec:
     outside = _top_most({n.rsplit(".", 1)[0] for n, p in model.named_parameters() if id(p) not in inside},
                         backbone_name)
     plan, problem = _tp_plan(config, backbone_name)
+    ulysses, packing = _attention_probe(config, trust_remote_code, layers)
     return ModelSpec(
         **common, source=source, backbone=backbone_name, blocks=blocks_name,
         block_classes=tuple(dict.fromkeys(type(b).__name__ for b in blocks)), block_returns=returns,
@@ -203,7 +207,7 @@ def derive(config: Any, trust_remote_code: bool = False) -> ModelSpec:
         lora_targets=_linear_leaves(blocks, {r.target_class} if (r := _router_recorder(model)) else set()),
         tp_plan=plan, tp_problem=problem,
         attention_sinks=any(n.rsplit(".", 1)[-1] == "sinks" for n, _ in blocks.named_parameters()),
-        ulysses_problem=_attention_problem(config, trust_remote_code, layers),
+        ulysses_problem=ulysses, packing_problem=packing,
         moe=_moe(model, blocks, text),
     )
 
@@ -296,21 +300,31 @@ def _weighted(parent: nn.Module, names: list[str]) -> tuple[str, ...]:
 PROBE_ATTENTION = "hftk_probe"  # an attention implementation that records how the model calls it
 
 
-def _attention_problem(config: Any, trust_remote_code: bool, layers: int) -> str | None:
-    """Why the model's attention does not go through transformers' attention registry with position ids (one
-    forward on the meta device through a recording implementation), or None."""
+def _attention_probe(config: Any, trust_remote_code: bool, layers: int) -> tuple[str | None, str | None]:
+    """(why the model's attention does not go through transformers' attention registry with position ids, why its
+    masks do not keep packed examples apart), from one forward on the meta device through a recording attention
+    implementation and recording mask makers; None where nothing is wrong."""
     import copy
+    import sys
+    from unittest import mock
 
     from transformers import AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     calls: list[bool] = []
+    masks: list[bool] = []
 
     def record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any,
                *args: Any, **kwargs: Any) -> Any:
         calls.append(kwargs.get("position_ids") is not None)
         return sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
+
+    def recording(maker: Any) -> Any:
+        def make(*args: Any, **kwargs: Any) -> Any:
+            masks.append(kwargs.get("position_ids") is not None)
+            return maker(*args, **kwargs)
+        return make
 
     ALL_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, record)
     try:
@@ -319,18 +333,29 @@ def _attention_problem(config: Any, trust_remote_code: bool, layers: int) -> str
                                                      trust_remote_code=trust_remote_code)
         if any(p.ndim == 3 for p in model.parameters()):  # fused experts (dense models refuse the call)
             model.set_experts_implementation("grouped_mm")
-        with experts_on_meta():
+        # transformers' mask makers as the modeling module imported them (masking_utils' create_*_mask): packed
+        # examples are kept apart only where they are handed the position ids
+        module = sys.modules[type(model).__module__]
+        makers = [name for name, value in vars(module).items() if name.startswith("create_") and
+                  name.endswith("mask") and getattr(value, "__module__", "") == "transformers.masking_utils"]
+        with experts_on_meta(), ExitStack() as stack:
+            for name in makers:
+                stack.enter_context(mock.patch.object(module, name, recording(getattr(module, name))))
             model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"),
                   position_ids=torch.arange(4, device="meta")[None])
     except Exception as exc:  # a model that cannot run this way is refused by sp, saying why
-        return f"its attention could not be traced on the meta device ({type(exc).__name__}: {str(exc)[:120]})"
+        why = f"its attention could not be traced on the meta device ({type(exc).__name__}: {str(exc)[:120]})"
+        return why, why
+    packing = None if masks and all(masks) else (
+        "its forward builds its attention masks without the position ids, so examples packed into one row would "
+        "attend to each other" if masks else "its forward builds no mask with transformers' mask makers")
     if not calls:
-        return "its attention does not go through transformers' attention registry"
+        return "its attention does not go through transformers' attention registry", packing
     if not all(calls):
-        return "its attention layers do not receive the position ids Ulysses needs"
+        return "its attention layers do not receive the position ids Ulysses needs", packing
     if len(calls) != layers:
-        return f"only {len(calls)} of its {layers} layers run attention through transformers' registry"
-    return None
+        return f"only {len(calls)} of its {layers} layers run attention through transformers' registry", packing
+    return None, packing
 
 
 def _linear_leaves(blocks: nn.ModuleList, exclude: set[type] = frozenset()) -> tuple[str, ...]:

@@ -420,9 +420,18 @@ def check_data(cfg: RunConfig, data_format: str) -> None:
 
 
 def resolve_packing(cfg: RunConfig, data_format: str) -> None:
-    """``data.packing`` from ``auto`` to the mode the formats and strategy call for, then the support
-    table's refusals (strategy, attention implementation)."""
+    """``data.packing`` from ``auto`` to the mode the formats, strategy and model call for (bfd only where the
+    model's masks keep packed examples apart: :attr:`hftk.models.spec.ModelSpec.packing_problem`), then the
+    support table's refusals (strategy, attention implementation)."""
+    from hftk.models.loading import load_model_config
+
     d = cfg.data
+    apart = model_spec(load_model_config(cfg.model), cfg.model.trust_remote_code).packing_problem
+    if apart and d.packing == "bfd":
+        raise HftkError("data.packing", f"bfd would pack examples into shared rows, and {apart}.",
+                        "use --packing none (one example per row), or leave it auto.")
+    if apart and d.packing == "auto" and data_format != "text":
+        d.packing = "none"  # the model cannot keep packed examples apart: one per row
     d.packing = support.resolve_packing(cfg.strategy.strategy, data_format, d.packing, cfg.model.attn_implementation)
     if d.packing == "concat" and "messages" in data_format.split("+"):
         raise HftkError("data.packing", "concat would join conversations so that each attends to the one before it.",

@@ -154,9 +154,10 @@ def run_loop(args: argparse.Namespace, model: Any, train: Any, held_out: Any) ->
     per_epoch = len(train) // args.batch_size
     out: dict[str, Any] = {"losses": {}, "grad_norms": {}, "learning_rates": {}}
     moe = {}
-    if hasattr(model, "router_aux_loss_coef"):  # a mixture of experts: its balancing loss, mean over micro-batches
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT: the model it wraps
+    if hasattr(base, "router_aux_loss_coef"):  # a mixture of experts: its balancing loss, mean over micro-batches
         moe = {"output_router_logits": True}
-        model.router_aux_loss_coef = model.config.router_aux_loss_coef / args.micro_batches
+        base.router_aux_loss_coef = base.config.router_aux_loss_coef / args.micro_batches
     for step in range(1, args.max_steps + 1):
         epoch, i = divmod(step - 1, per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed + epoch))
