@@ -41,7 +41,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from hftk import __version__
-from hftk.comm.rank_failure import FailureWatch, watching
+from hftk.comm.rank_failure import FailureWatch, first_posted, watching
 from hftk.core.errors import HftkError
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -335,7 +335,7 @@ def saving(final: Path, staged: Path, publisher: bool) -> Iterator[FailureWatch]
     rank skipped (a library's gather or barrier) reports it within seconds and exits
     (:class:`hftk.comm.rank_failure.FailureWatch`), the publisher after removing the staged folder.
     """
-    with watching(functools.partial(save_failure, final, staged),
+    with watching(functools.partial(save_failure, final, staged), choose=_reported,
                   on_stuck=functools.partial(_discard, staged) if publisher else None) as watch:
         yield watch
 
@@ -410,17 +410,22 @@ def settle_write(final: Path, staged: Path, failure: HftkError | None, publisher
     Every rank meets the others with its failure line (None when it wrote everything) through the store
     (:meth:`FailureWatch.settle`: a rank that failed never enters a collective the others are not in). When any
     rank failed, the staged folder is removed (the previous checkpoints, ``latest`` and ``final`` stay as they
-    were) and every rank raises one line (:func:`save_failure`): a full disk's when a rank ran out of room (another
-    rank's failure then follows from it, DCP's for one), else the first posted.
+    were) and every rank raises one line (:func:`save_failure`, :func:`_reported`).
     """
-    failures = watch.settle(failure)
-    if not failures:
+    reported = watch.settle(failure)
+    if reported is None:
         return
     if publisher:
         _discard(staged)
-    reported = next((f for f in failures if f.fix == ROOM_FIX), failures[0])  # a full disk explains the others
     watch.own_stack(reported)
     raise SaveFailed(reported.field, reported.problem, reported.fix)
+
+
+def _reported(failures: list[tuple[int, HftkError]]) -> HftkError:
+    """The line every rank reports when several failed: a full disk's (the lowest rank's: the others may only
+    have read of it, DCP's exception carries every rank's), as it explains the others; else the first posted."""
+    rooms = [(rank, failure) for rank, failure in failures if failure.fix == ROOM_FIX]
+    return min(rooms, key=lambda room: room[0])[1] if rooms else first_posted(failures)
 
 
 def _discard(staged: Path) -> None:
