@@ -1,5 +1,6 @@
 """What hftk supports: every strategy x model family x {full fine-tuning, LoRA}, plus a quantized
-(QLoRA) base and preference tuning (DPO, full, LoRA and QLoRA) per strategy, in one table.
+(QLoRA) base, preference tuning (DPO, full, LoRA and QLoRA) and online RL (GRPO, full and LoRA) per strategy, in
+one table.
 
 What each strategy allows is a flag in the strategy table (:data:`hftk.config.strategy_table.STRATEGIES`); this
 module says why each refusal is one and raises it. The strategies' validators take their LoRA refusals
@@ -7,7 +8,7 @@ from here (:func:`check_lora`), the packing modes each strategy honours (:func:`
 support table is rendered from it (``python -m hftk.config.support README.md`` rewrites it;
 tests/unit/config/test_support.py keeps the README equal), and tests/integration/test_matrix.py runs every cell on
 2 ranks and asserts each one trains and saves a loadable ``final/`` or is refused before launch exactly as
-:func:`expected` says (the DPO column: tests/integration/test_dpo.py, against one-process TRL).
+:func:`expected` says (the DPO and GRPO columns: tests/integration/test_dpo.py and test_grpo.py, against one-process TRL).
 """
 
 from __future__ import annotations
@@ -203,13 +204,38 @@ DPO_PRECOMPUTE_REFUSED = {
 }
 
 
+# Online RL (training.method grpo) through TRL's GRPOTrainer (engine/rl.py): every Trainer strategy, full and LoRA,
+# equals one-process TRL (tests/integration/test_grpo.py). hftk's own loop (pipeline, tp, cp, sp) has no rollout step;
+# a quantized base is not verified with GRPO (TRL casts its adapters to bf16 after hftk has prepared the model).
+GRPO_STRATEGIES: tuple[str, ...] = DPO_STRATEGIES
+GRPO_REFUSED = {
+    strategy: Refusal("training.method", f"grpo is not supported with strategy {strategy}: hftk's own loop has no "
+                      "rollout step (generation, rewards and the policy-gradient loss).",
+                      f"use --strategy {' or '.join(GRPO_STRATEGIES)} for GRPO, or --method sft.")
+    for strategy in STRATEGIES if strategy not in GRPO_STRATEGIES
+}
+assert all(TABLE[s].engine == "loop" for s in GRPO_REFUSED), "every Trainer strategy trains GRPO"
+GRPO_QUANT_REFUSED = Refusal(QUANT_FIELD, "a bitsandbytes-quantized base is not supported with --method grpo: TRL "
+                             "casts the adapters of a quantized model to bf16 after hftk prepared it, which hftk's "
+                             "tests have not verified.", "train GRPO with LoRA on an unquantized base (drop "
+                             "--load_in_4bit / --load_in_8bit).")
+
+
 def dpo_refusal(strategy: str, lora: bool) -> Refusal | None:
     """Why DPO does not run under ``strategy`` (with LoRA when ``lora``), or None."""
     return DPO_REFUSED.get(strategy) or (DPO_LORA_REFUSED.get(strategy) if lora else None)
 
 
-def check_method(strategy: str, method: str, lora_r: int = 0, precompute_ref_log_probs: bool = False) -> None:
-    """Raise the table's refusal of ``method`` under ``strategy`` (sft trains everywhere)."""
+def check_method(strategy: str, method: str, lora_r: int = 0, precompute_ref_log_probs: bool = False,
+                 quantized_field: str | None = None) -> None:
+    """Raise the table's refusal of ``method`` under ``strategy`` (sft trains everywhere); ``quantized_field``: the
+    option that quantizes the base, None when it is not quantized."""
+    if method == "grpo":
+        refusal = GRPO_REFUSED.get(strategy) or (GRPO_QUANT_REFUSED if quantized_field else None)
+        if refusal is not None:
+            raise HftkError(quantized_field if refusal is GRPO_QUANT_REFUSED else refusal.field, refusal.problem,
+                            refusal.fix)
+        return
     if method != "dpo":
         return
     refusal = dpo_refusal(strategy, lora_r > 0) or (DPO_PRECOMPUTE_REFUSED.get(strategy) if precompute_ref_log_probs
@@ -245,11 +271,15 @@ def render_markdown() -> str:
             return f"full; LoRA refused {mark(lora)}"
         return "full, LoRA" + (", QLoRA" if strategy not in QUANT_REFUSED else "")
 
+    def grpo(strategy: str) -> str:
+        refusal = GRPO_REFUSED.get(strategy)
+        return "full, LoRA" if refusal is None else f"refused {mark(refusal)}"
+
     families = list(FAMILIES)
     lines = ["| strategy | " + " | ".join(FAMILIES[f].name for f in families)
-             + " | 4/8-bit base (QLoRA; GPT-2, Llama) | DPO (`--method dpo`) |",
-             "|---" * (len(families) + 3) + "|"]
-    lines += [f"| {s} | " + " | ".join(cell(s, f) for f in families) + f" | {quantized(s)} | {dpo(s)} |"
+             + " | 4/8-bit base (QLoRA; GPT-2, Llama) | DPO (`--method dpo`) | GRPO (`--method grpo`) |",
+             "|---" * (len(families) + 4) + "|"]
+    lines += [f"| {s} | " + " | ".join(cell(s, f) for f in families) + f" | {quantized(s)} | {dpo(s)} | {grpo(s)} |"
               for s in STRATEGIES]
     lines += [""] + [f"[{i}] `{r.field}`: {r.problem}" + ("  " if i < len(notes) else "")
                      for i, r in enumerate(notes, 1)]

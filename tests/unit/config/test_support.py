@@ -14,7 +14,7 @@ from tests.helpers import ROOT
 def test_readme_support_table_is_the_rendered_one():
     readme = (ROOT / "README.md").read_text()
     assert support.with_table(readme) == readme, "regenerate it: python -m hftk.config.support README.md"
-    assert "| sp | refused [11] |" in readme  # the rendering itself, read by eye once
+    assert "| sp | refused [13] |" in readme  # the rendering itself, read by eye once
 
 
 def test_every_strategy_and_family_has_a_row_and_a_column():
@@ -23,13 +23,13 @@ def test_every_strategy_and_family_has_a_row_and_a_column():
 
     table = support.render_markdown()
     assert [line.split(" | ")[0][2:] for line in table.splitlines()[2:2 + len(STRATEGIES)]] == list(STRATEGIES)
-    assert table.splitlines()[0].count("|") == len(FAMILIES) + 4  # + the quantized-base and DPO columns
+    assert table.splitlines()[0].count("|") == len(FAMILIES) + 5  # + the quantized-base, DPO and GRPO columns
 
 
 def test_dpo_column_says_what_check_method_does():
     rows = support.render_markdown().splitlines()[2:2 + len(support.STRATEGIES)]
     for strategy, row in zip(support.STRATEGIES, rows, strict=True):
-        dpo = row.split(" | ")[-1].removesuffix(" |")
+        dpo = row.split(" | ")[-2]
         if strategy in support.DPO_REFUSED:
             assert dpo.startswith("refused ["), row
         elif strategy in support.DPO_LORA_REFUSED:
@@ -38,6 +38,22 @@ def test_dpo_column_says_what_check_method_does():
             assert dpo == "full, LoRA", row
         else:  # QLoRA where a quantized base trains and DPO's LoRA does (tests/integration/test_dpo.py: ddp)
             assert dpo == "full, LoRA, QLoRA", row
+
+
+def test_grpo_column_says_what_check_method_does():
+    rows = support.render_markdown().splitlines()[2:2 + len(support.STRATEGIES)]
+    for strategy, row in zip(support.STRATEGIES, rows, strict=True):
+        grpo = row.split(" | ")[-1].removesuffix(" |")
+        if strategy in support.GRPO_REFUSED:
+            assert grpo.startswith("refused ["), row
+            with pytest.raises(HftkError, match=f"grpo is not supported with strategy {strategy}"):
+                support.check_method(strategy, "grpo")
+        else:  # full and LoRA train (tests/integration/test_grpo.py); a quantized base is refused by name
+            assert grpo == "full, LoRA", row
+            support.check_method(strategy, "grpo", 8)
+            with pytest.raises(HftkError, match="not supported with --method grpo") as err:
+                support.check_method(strategy, "grpo", 8, quantized_field="model.load_in_4bit")
+            assert err.value.field == "model.load_in_4bit"
 
 
 @pytest.mark.parametrize("strategy", support.STRATEGIES)

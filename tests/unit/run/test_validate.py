@@ -63,6 +63,11 @@ CONTEXT: dict[str, tuple[list[str], int]] = {
     "lora_alpha": (["--lora_r", "4"], 1),
     "lora_dropout": (["--lora_r", "4"], 1),
 }
+# GRPO's options on a GRPO run (prompts, a reward file), less the option under test (its YAML case must decide).
+GRPO = {"method": "grpo", "dataset": "{tmp}/prompts.jsonl", "reward_funcs": "{tmp}/reward.py:length",
+        "num_generations": "4", "max_completion_length": "16", "eval_fraction": "0"}
+CONTEXT.update({name: ([arg for key, value in GRPO.items() if key != name for arg in (f"--{key}", value)], 1)
+                for name in ("num_generations", "max_completion_length", "epsilon", "epsilon_high", "num_iterations")})
 SKIP_NUMERIC = {"device_memory_gb"}  # read by `auto` and `hftk plan` only; any positive value is a budget
 
 TRAINING_NUMERIC = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -90,6 +95,8 @@ ACCEPTED = {
     ("logging_steps", "huge"), ("eval_steps", "huge"), ("save_steps", "huge"), ("ddp_timeout", "huge"),
     ("per_device_train_batch_size", "huge"), ("per_device_eval_batch_size", "huge"),  # one batch of everything
     ("gradient_accumulation_steps", "huge"),
+    ("epsilon", "huge"), ("epsilon_high", "huge"),  # GRPO: a clip range wider than any ratio clips nothing
+    ("num_iterations", "huge"),  # GRPO: every batch of completions reused that often (as accumulation, a choice)
 }
 
 
@@ -224,6 +231,8 @@ def workdir(tmp_path_factory):
                                           for i in range(200)))
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     (tmp / "chat.jsonl").write_text((json.dumps(chat) + "\n") * 50)
+    (tmp / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}:"}) + "\n" for i in range(50)))
+    (tmp / "reward.py").write_text("def length(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n")
     out = tmp / "out"
     out.mkdir()
     (out / "notes.txt").write_text("the user's own file\n")
