@@ -38,6 +38,8 @@ def check_prompt_rows(rows: Any, dataset: str, field: str = "data.dataset") -> s
 
 
 def _prompt_problem(value: Any) -> str | None:
+    if value is None:
+        return "is missing (null)"
     if isinstance(value, str):
         return None if value.strip() else "is empty"
     if not isinstance(value, list):

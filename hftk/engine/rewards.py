@@ -57,7 +57,7 @@ def _load(spec: str, modules: dict[str, Any]) -> Callable[..., Any]:
                                                                        if defined else "."),
                         "name a function the file or module defines.")
     if not callable(func):
-        raise HftkError(FIELD, f"{spec}: {name} is a {type(func).__name__}, not a function.",
+        raise HftkError(FIELD, f"{spec}: {name} is not a function ({type(func).__name__}).",
                         "name a function of completions and **kwargs.")
     check_signature(func, spec)
     return func
@@ -203,6 +203,8 @@ def output_problem(output: Any, prompts: list[Any], completions: list[Any]) -> t
     for index, value in enumerate(output):
         if value is None:
             continue
+        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a numpy or torch scalar
+            value = value.item()
         where = f"completion {index} of the batch (prompt {_short(prompts[index])}, completion " \
                 f"{_short(completions[index])})"
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
