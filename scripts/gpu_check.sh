@@ -11,7 +11,8 @@
 # process (scripts/gpu_check_layouts.py: torch's fake process group; pp2 as two stages on one rank).
 # Throughput: a 1.1B Llama-shaped model (scripts/gpu_check_model.py, random weights) trained in
 # bf16 at block 2048 with SDPA and fused AdamW, tokens/s and MFU against the GPU's dense bf16 peak
-# (goal 45%). On a machine without a GPU it says so and exits 1.
+# (goal 45%). Qwen3- and Gemma 3-shaped models (scripts/gpu_check_model.py --family) train in bf16 too.
+# On a machine without a GPU it says so and exits 1.
 #
 # Python: $PYTHON, else .venv/bin/python, else python3. Packages missing there can be carried as
 # wheels in .whl/ (README "GPU check"); they are installed into a private folder, never over torch.
@@ -110,6 +111,18 @@ step llama1b_bf16 "$PY" -m torch.distributed.run --nproc_per_node 1 --standalone
   --optim adamw_torch_fused --block_size 2048 --per_device_train_batch_size 8 --max_steps 40 \
   --logging_steps 10 --learning_rate 1e-4 --lr_scheduler_type constant --warmup_steps 0 --model_dropout 0 \
   --eval_strategy no --save_strategy no --report_to none --disable_tqdm true --seed 7 --output_dir "$WORK/llama1b_bf16"
+
+# Families beyond Llama: a ~0.2B Qwen3 (q/k norms) and Gemma 3 (sliding / full layers, scaled embedding, tied
+# head) from their own config classes, bf16 under ddp on this GPU (fsdp on 2 ranks where 2 GPUs are lent).
+for family in qwen3 gemma3_text; do
+  step "model_$family" "$PY" scripts/gpu_check_model.py "$WORK/$family" --family "$family"
+  train "${family}_bf16" --model_name_or_path "$WORK/$family" --strategy ddp --bf16 --block_size 1024
+  RUNS+=("${family}_bf16")
+  if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ]; then
+    NPROC=2 train "${family}_fsdp_bf16" --model_name_or_path "$WORK/$family" --strategy fsdp --bf16 --block_size 1024
+    RUNS+=("${family}_fsdp_bf16")
+  fi
+done
 
 # Resume with dropout on: 20 steps saving at 10, then a new folder holding only checkpoint-10 resumed.
 train resume_full --strategy ddp --bf16 --model_dropout 0.1 --max_steps 20 --logging_steps 1 \

@@ -172,12 +172,13 @@ def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout:
     return outputs
 
 
-def plain_reference(mode: str, out: Path, args: list[str], model: str = "builtin:gpt2-tiny",
+def plain_reference(mode: str, out: Path, args: list[str], model: str | Path = "builtin:gpt2-tiny",
                     timeout: float = 600) -> Path:
     """Train with tests/reference/plain.py -- a plain ``transformers.Trainer`` (``trainer``) or PyTorch
     loop (``loop``), in one plain process (a warm one whose server has not imported hftk), importing nothing
     from hftk -- on the folder of the built-in ``model`` and the shipped corpus, with TINY_ARGS' data and
     optimisation settings plus ``args``.
+    ``model``: a built-in name or a model folder.
     Returns ``out``: :func:`losses` and :func:`metrics` read its ``losses.json``, its weights are in
     ``out/final``."""
     from hftk.data.builtin import CORPUS, materialize_model
@@ -185,7 +186,8 @@ def plain_reference(mode: str, out: Path, args: list[str], model: str = "builtin
     shared = dict(zip(TINY_ARGS[::2], TINY_ARGS[1::2]))
     tiny = [x for key in ("--block_size", "--max_train_samples", "--lr_scheduler_type", "--warmup_steps",
                           "--learning_rate", "--seed") for x in (key, shared[key])]
-    result = Launch(*warm.launch([str(PLAIN)], [mode, "--model", str(materialize_model(model)), "--text", str(CORPUS),
+    folder = materialize_model(model) if str(model).startswith("builtin:") else Path(model)
+    result = Launch(*warm.launch([str(PLAIN)], [mode, "--model", str(folder), "--text", str(CORPUS),
                                                  "--out", str(out), *tiny, *args], 1, timeout, launcher=False, plain=True))
     assert result.returncode == 0, f"plain reference failed ({result.returncode}):\n{result.output[-6000:]}"
     assert json.loads((Path(out) / "losses.json").read_text())["hftk_loaded"] == []  # really not hftk
@@ -331,19 +333,42 @@ GPT2_SIZES = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}
 TWO_RANKS = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
 
 
-def make_family(model_type: str, folder: Path, **sizes_given: int) -> Path:
+# What each family's default config keeps that a small test model must change or show: 16-wide heads where the
+# config sets head_dim (Gemma 3 and Qwen3 default to 256 / 128), a sliding window shorter than the tests' blocks
+# beside full layers (the mask really differs), soft-capped logits, a NoPE layer (SmolLM3).
+FAMILY_QUIRKS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 16},
+    "gemma3_text": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+                    "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
+    "smollm3": {"no_rope_layers": [1, 0]},
+    # mixtures of experts: 4 experts, top-2, each family's own twist kept: Qwen3-MoE's dense first layer, gpt-oss's
+    # sliding / full layers with attention sinks and biased router, OLMoE's full-width q/k norms
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "mlp_only_layers": [0]},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention"]},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+def make_family(model_type: str, folder: Path, **sizes_given: Any) -> Path:
     """A small model of ``model_type`` from its default config (dropout, tying, sliding window as
-    the family ships them), seeded weights and a tokenizer, saved as a user's folder would be;
-    ``sizes_given`` replace the small default sizes."""
+    the family ships them, but for :data:`FAMILY_QUIRKS`), seeded weights and a tokenizer, saved as a user's
+    folder would be; ``sizes_given`` replace the small default sizes."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from hftk.data.builtin import materialize_model
 
     tokenizer = AutoTokenizer.from_pretrained(materialize_model("builtin:gpt2-tiny"))
-    sizes = {**(GPT2_SIZES if model_type == "gpt2" else SIZES), **sizes_given}
+    sizes = {**(GPT2_SIZES if model_type == "gpt2" else SIZES), **FAMILY_QUIRKS.get(model_type, {}), **sizes_given}
+    defaults = AutoConfig.for_model(model_type)
     if model_type == "gpt_neox":
         sizes.pop("num_key_value_heads")
+    if getattr(defaults, "head_dim", None) and "head_dim" not in sizes:
+        sizes["head_dim"] = sizes["hidden_size"] // sizes["num_attention_heads"]
+    if (getattr(defaults, "pad_token_id", None) or 0) >= len(tokenizer):  # Phi-3's 32000: no such row here
+        sizes.setdefault("pad_token_id", None)
     config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
                                   eos_token_id=tokenizer.eos_token_id, **sizes)
     torch.manual_seed(0)

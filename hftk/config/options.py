@@ -80,6 +80,14 @@ class ModelConfig:
         True, "Quantize the 4-bit blocks' fp32 scales again (8-bit, blocks of 256): ~0.37 bit/param saved.")
     bnb_4bit_compute_dtype: str | None = _opt(None, "dtype 4-bit layers dequantize to for their matmul (None: "
                                               "model_dtype).", choices=["float32", "bfloat16", "float16"])
+    # Mixture of experts (hftk.models.moe): read only for models with experts.
+    router_aux_loss_coef: float | None = _opt(
+        None, "Weight of the router's load-balancing loss, optimized while training (mean over each step's "
+        "micro-batches); 0 turns it off. None: the model config's router_aux_loss_coef.")
+    experts_implementation: str | None = _opt(
+        None, "How expert matmuls run (transformers' experts_implementation): eager (a loop over the experts hit), "
+        "batched_mm, grouped_mm. None: grouped_mm on a CUDA GPU of compute capability 8.0+, else batched_mm.",
+        choices=["eager", "batched_mm", "grouped_mm"])
 
 
 @dataclass

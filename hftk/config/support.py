@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hftk.config.family_table import FAMILIES
 from hftk.config.strategy_table import STRATEGIES as TABLE
 from hftk.core.errors import HftkError
 
@@ -68,17 +67,6 @@ def check_quantized(strategy: str, field: str | None) -> None:
     quantizes (``model.load_in_4bit`` / ``model.load_in_8bit``), None when the base is not quantized."""
     if field is not None and (refusal := QUANT_REFUSED.get(strategy)) is not None:
         raise HftkError(field if refusal.field == QUANT_FIELD else refusal.field, refusal.problem, refusal.fix)
-
-
-# Families a strategy does not drive (its validator refuses them from here): Ulysses needs the
-# attention to take position ids through its kwargs (families.FamilySpec.ulysses).
-STRATEGY_FAMILIES = {"sp": tuple(f for f, spec in FAMILIES.items() if spec.ulysses)}
-# What a model built from the family's default config meets (the validator reads the config itself:
-# a Mistral without a sliding window trains under cp).
-DEFAULT_CONFIG_REFUSED = {
-    ("cp", "mistral"): Refusal("model.model_name_or_path", "Mistral's default sliding-window attention needs a "
-                               "mask stricter than causal, which ring attention cannot apply."),
-}
 
 
 # Packing modes (data.packing) each engine honours. bfd needs position ids that restart per example
@@ -136,29 +124,6 @@ def resolve_packing(strategy: str, data_format: str, packing: str, attn_implemen
     if data_format == "text":
         return "concat"
     return "bfd" if packing_refusal(strategy, "bfd", attn_implementation) is None else "none"
-
-
-def family_refusal(strategy: str, family: str) -> Refusal | None:
-    """Why ``strategy`` does not drive ``family`` at all, or None."""
-    allowed = STRATEGY_FAMILIES.get(strategy)
-    if allowed is None or family in allowed:
-        return None
-    return Refusal("model.model_name_or_path", f"architecture '{family}' is not supported by strategy {strategy}.",
-                   f"use a model of a supported family ({', '.join(allowed)}).")
-
-
-def check_family(strategy: str, family: str) -> None:
-    """Raise the table's refusal of ``family`` under ``strategy`` (called by that strategy's ``validate``)."""
-    if (refusal := family_refusal(strategy, family)) is not None:
-        raise HftkError(refusal.field, refusal.problem, refusal.fix)
-
-
-def expected(strategy: str, family: str, lora: bool) -> Refusal | None:
-    """``None`` when the cell trains and saves ``final/``; else the refusal it meets before launch, in
-    validation's order (LoRA options are checked with the model, before the strategy's own checks)."""
-    if lora and strategy in LORA_REFUSED:
-        return LORA_REFUSED[strategy]
-    return family_refusal(strategy, family) or DEFAULT_CONFIG_REFUSED.get((strategy, family))
 
 
 def check_lora(strategy: str, lora_r: int) -> None:
@@ -242,67 +207,3 @@ def check_method(strategy: str, method: str, lora_r: int = 0, precompute_ref_log
                                                       else None)
     if refusal is not None:
         raise HftkError(refusal.field, refusal.problem, refusal.fix)
-
-
-def render_markdown() -> str:
-    """The README's support table (between its ``support-table`` markers), notes numbered per refusal."""
-    notes: list[Refusal] = []
-
-    def mark(refusal: Refusal) -> str:
-        if refusal not in notes:
-            notes.append(refusal)
-        return f"[{notes.index(refusal) + 1}]"
-
-    def cell(strategy: str, family: str) -> str:
-        full, lora = expected(strategy, family, False), expected(strategy, family, True)
-        if full is not None:
-            return f"refused {mark(full)}"
-        return "full, LoRA" if lora is None else f"full; LoRA refused {mark(lora)}"
-
-    def quantized(strategy: str) -> str:
-        refusal = QUANT_REFUSED.get(strategy)
-        return "QLoRA" if refusal is None else f"refused {mark(refusal)}"
-
-    def dpo(strategy: str) -> str:
-        full, lora = dpo_refusal(strategy, False), dpo_refusal(strategy, True)
-        if full is not None:
-            return f"refused {mark(full)}"
-        if lora is not None:
-            return f"full; LoRA refused {mark(lora)}"
-        return "full, LoRA" + (", QLoRA" if strategy not in QUANT_REFUSED else "")
-
-    def grpo(strategy: str) -> str:
-        refusal = GRPO_REFUSED.get(strategy)
-        return "full, LoRA" if refusal is None else f"refused {mark(refusal)}"
-
-    families = list(FAMILIES)
-    lines = ["| strategy | " + " | ".join(FAMILIES[f].name for f in families)
-             + " | 4/8-bit base (QLoRA; GPT-2, Llama) | DPO (`--method dpo`) | GRPO (`--method grpo`) |",
-             "|---" * (len(families) + 4) + "|"]
-    lines += [f"| {s} | " + " | ".join(cell(s, f) for f in families) + f" | {quantized(s)} | {dpo(s)} | {grpo(s)} |"
-              for s in STRATEGIES]
-    lines += [""] + [f"[{i}] `{r.field}`: {r.problem}" + ("  " if i < len(notes) else "")
-                     for i, r in enumerate(notes, 1)]
-    return "\n".join(lines) + "\n"
-
-
-BEGIN = "<!-- support-table: generated by `python -m hftk.config.support README.md`; do not edit by hand -->"
-END = "<!-- /support-table -->"
-
-
-def with_table(readme: str) -> str:
-    """``readme`` with the text between its support-table markers replaced by :func:`render_markdown`."""
-    head, found, rest = readme.partition(BEGIN + "\n")
-    if not found or END not in rest:
-        raise HftkError("README.md", "has no support-table markers.", f"add the lines {BEGIN} and {END}.")
-    return head + BEGIN + "\n" + render_markdown() + END + rest.split(END, 1)[1]
-
-
-if __name__ == "__main__":
-    import sys
-    from pathlib import Path
-
-    if len(sys.argv) > 1:  # rewrite the table inside that file
-        Path(sys.argv[1]).write_text(with_table(Path(sys.argv[1]).read_text()))
-    else:
-        print(render_markdown(), end="")

@@ -58,7 +58,7 @@ from hftk.engine.resilience import (EXIT_PREEMPTED, EvaluationInterrupted, Preem
 from hftk.engine.run_types import PreparedRun
 from hftk.engine.trainer import FINAL_DIR, build_training_arguments, load_data
 from hftk.launch.guard import check_world
-from hftk.models import lora
+from hftk.models import lora, moe
 from hftk.models.loading import fit_to_tokenizer, load_model
 from hftk.publish.hub import RunPusher
 from hftk.telemetry.memory import model_state_bytes
@@ -149,9 +149,11 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     model = load_model(cfg.model)
     model = lora.apply(model, cfg, args, fit_to_tokenizer(model, tokenizer, args.seed))
     _enable_activation_checkpointing(model, args)
+    routed = moe.prepare(model, cfg, _micro_batches_per_step(cfg, args), args.device)
     token_flops = flops_per_token(model, cfg.data.block_size)
     adapter = (model.peft_config[lora.ADAPTER_NAME], lora.adapter_shapes(model)) if lora.is_peft(model) else None
     step = strategy.build_step(model, cfg, args)
+    router = moe.RouterStats(model) if routed else None  # on the blocks this rank holds
     del model  # this rank keeps only its shards or stages
     startup.mark("model")
     announce_eval(cfg.data, data.eval, args.per_device_eval_batch_size, step.dp_size, dist.get_rank() == 0)
@@ -163,6 +165,8 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     scheduler = _make_scheduler(args, optimizer, max_steps)
     run = _start_run(prepared, args, step, tokenizer, optimizer, scheduler, train_loader, data.eval, collate,
                      max_steps, epochs, token_flops, adapter)
+    if router is not None:  # first in line: its metrics join the log the metrics callback writes
+        run.handler.callbacks.insert(0, moe.RouterCallback(router))
     run.prompts = samples.prompts(cfg, prepared.sources, args.seed)
     startup.mark("trainer")
     metrics = _train_epochs(run, steps_per_epoch, epochs)
@@ -175,6 +179,16 @@ def train(prepared: PreparedRun) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 # Construction (the Trainer's choices, reused)
 # ---------------------------------------------------------------------------------------------
+
+def _micro_batches_per_step(cfg: Any, args: Any) -> int:
+    """Forwards whose balancing losses one optimizer step averages (hftk.models.moe): every data-parallel rank's
+    accumulation windows, each cut into the pipeline's micro-batches."""
+    from hftk.strategies.parallel_dims import parallel_dims
+
+    dims = parallel_dims(cfg.strategy, dist.get_world_size())
+    pipeline = cfg.strategy.pp_microbatches if cfg.strategy.strategy == "pipeline" else 1
+    return dims.data_parallel * args.gradient_accumulation_steps * pipeline
+
 
 def _enable_activation_checkpointing(model: Any, args: Any) -> None:
     """As ``Trainer.train`` does; the blocks then checkpoint themselves inside each stage or shard."""

@@ -27,7 +27,7 @@ from hftk.engine import samples
 from hftk.engine.resilience import StepGuard, guarded, step_guard
 from hftk.engine.run_types import PreparedRun
 from hftk.launch.guard import WorldGuard, check_world
-from hftk.models import lora
+from hftk.models import lora, moe
 from hftk.models.loading import fit_to_tokenizer, load_model, load_tokenizer
 from hftk.publish.hub import run_pusher
 from hftk.telemetry.memory import ModelStateCallback
@@ -175,7 +175,14 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     startup.mark("data")
     base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
     new_tokens = fit_to_tokenizer(base, tokenizer, args.seed)  # chat markers added: before LoRA and sharding
-    model = strategy.prepare_model(lora.apply(base, cfg, args, new_tokens), cfg)  # LoRA before any sharding
+    base = lora.apply(base, cfg, args, new_tokens)
+    # The Trainer sums the micro-batches of an accumulation window (their losses are normalised by the window's
+    # tokens) and, when it averages tokens across devices, multiplies each rank's loss by the world size (its
+    # gradients are averaged): the balancing loss's weight is divided by what it would be summed over.
+    summed_over = args.gradient_accumulation_steps * (args.world_size if args.average_tokens_across_devices else 1)
+    routed = moe.prepare(base, cfg, summed_over, args.device)
+    router = moe.RouterStats(base) if routed else None  # its hooks on the blocks, before they are sharded
+    model = strategy.prepare_model(base, cfg)  # LoRA before any sharding
     startup.mark("model")
 
     # A strategy that owns its model/optimizer I/O (FSDP2 shards) supplies its own Trainer.
@@ -188,6 +195,8 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     count_flops_once(trainer)
     for callback in run_callbacks(prepared, trainer, strategy):
         trainer.add_callback(callback)
+    if router is not None:  # first in line: its metrics join the log the metrics callback writes
+        trainer.callback_handler.callbacks.insert(0, moe.RouterCallback(router))
     add_samples(prepared, trainer)
     startup.mark("trainer")
     return trainer, strategy, data

@@ -5,7 +5,8 @@ saves (GPT-2's tanh GELU keeps four 4h-wide tensors, Llama's RMSNorm an fp32 cop
 eager attention's score matrices, which SDPA's fused kernels and flash attention never keep. So
 hftk runs one forward with labels on the meta device (shapes only, no memory, no compute), counts
 the bytes of every distinct storage autograd saves (``saved_tensors_hooks``; parameters excluded)
-and fits ``bytes = alpha * s + gamma * s^2`` per sequence from two lengths. The attention the run
+and fits ``bytes = alpha * s + gamma * s^2`` per sequence from two lengths (two more past a sliding window,
+where the sliding layers' masks begin). The attention the run
 will use decides the trace: ``eager`` runs as written; every other implementation (``sdpa``,
 ``flash_attention_2``, ...) is traced through torch's fused flash kernel, which keeps q, k, v, the
 output and the log-sum-exp (torch's meta device would otherwise pick SDPA's math path, which keeps
@@ -29,12 +30,17 @@ SCORE_KEEPING = ("eager",)  # attention implementations that keep the (b, a, s, 
 
 @dataclass(frozen=True)
 class Fit:
-    """Bytes per sequence of length s: ``alpha * s + gamma * s^2``."""
+    """Bytes per sequence of length s: ``alpha * s + gamma * s^2``; past a sliding window (``window``), where
+    the sliding layers' masks come into being (SDPA then keeps what its masked path keeps), the fit ``beyond``."""
 
     alpha: float
     gamma: float
+    window: int | None = None
+    beyond: "Fit | None" = None
 
     def at(self, seq_len: int) -> float:
+        if self.beyond is not None and self.window is not None and seq_len > self.window:
+            return self.beyond.at(seq_len)
         return self.alpha * seq_len + self.gamma * seq_len**2
 
 
@@ -51,15 +57,23 @@ def trace_key(dtype_is_16bit: bool, attention: str) -> str:
     return f"{'16bit' if dtype_is_16bit else 'float32'}/{'eager' if attention in SCORE_KEEPING else 'fused'}"
 
 
-def profile(model: torch.nn.Module, block_class: type) -> dict[str, SavedActivations]:
-    """Every (dtype, attention) trace of a meta-device model (it is cast to bf16 and back: meta holds no data)."""
+def profile(model: torch.nn.Module, blocks: list[torch.nn.Module], window: int | None = None
+            ) -> dict[str, SavedActivations]:
+    """Every (dtype, attention) trace of a meta-device model (it is cast to bf16 and back: meta holds no data);
+    ``blocks``: its decoder blocks (:func:`hftk.models.layout.block_modules`); ``window``: its sliding layers'
+    window, past which a second pair of lengths is traced."""
     result = {}
+    regimes = [TRACE_LENGTHS] + ([(window + TRACE_LENGTHS[0], window + TRACE_LENGTHS[1])] if window else [])
     for half in (False, True):
         model.to(torch.bfloat16 if half else torch.float32)
         for attention in ("eager", "sdpa"):
-            points = [_trace(model, block_class, s, attention) for s in TRACE_LENGTHS]
-            result[trace_key(half, attention)] = SavedActivations(*(_fit(TRACE_LENGTHS, [p[i] for p in points])
-                                                                    for i in range(3)))
+            fits = []
+            for lengths in regimes:
+                points = [_trace(model, blocks, s, attention) for s in lengths]
+                fits.append([_fit(lengths, [p[i] for p in points]) for i in range(3)])
+            if window:
+                fits[0] = [Fit(f.alpha, f.gamma, window, beyond) for f, beyond in zip(*fits)]
+            result[trace_key(half, attention)] = SavedActivations(*fits[0])
     model.to(torch.float32)
     return result
 
@@ -70,7 +84,7 @@ def _fit(lengths: tuple[int, int], values: list[int]) -> Fit:
     return Fit(alpha=v1 / s1 - gamma * s1, gamma=gamma)
 
 
-def _trace(model: torch.nn.Module, block_class: type, seq_len: int, attention: str) -> tuple[int, int, int]:
+def _trace(model: torch.nn.Module, blocks: list[torch.nn.Module], seq_len: int, attention: str) -> tuple[int, int, int]:
     """(total, checkpointed, largest block) bytes kept for backward by one sequence of ``seq_len``."""
     # A storage's identity: meta tensors have no data pointer, so the StorageImpl address (``_cdata``) names it.
     params = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -102,7 +116,6 @@ def _trace(model: torch.nn.Module, block_class: type, seq_len: int, attention: s
     def leave(*_: Any) -> None:
         current[0] = None
 
-    blocks = [m for m in model.modules() if isinstance(m, block_class)]
     handles = [b.register_forward_pre_hook(enter, with_kwargs=True) for b in blocks]
     handles += [b.register_forward_hook(leave) for b in blocks]
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")

@@ -1,8 +1,8 @@
-"""Where the parts of a decoder-only HF model live, read from the model's own structure.
+"""Handles on a live model's parts, by the names its :class:`~hftk.models.spec.ModelSpec` derived.
 
-Strategies need the same few answers (the decoder-layer class to wrap or shard, the list of
-blocks to split into stages, the embeddings / final norm / LM head): this module is the one
-place that knows each family's attribute names, so model code stays untouched.
+Strategies need the same few answers (the blocks to wrap or shard, the list of blocks to split into
+stages, the parts before and after them, the LM head); this module turns the spec's names into the
+live modules of a model, whatever wraps it (PEFT, DDP, a DeepSpeed engine, torch.compile).
 """
 
 from __future__ import annotations
@@ -11,28 +11,26 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from hftk.config.family_table import FAMILIES, supported_families
 from hftk.core.errors import HftkError
+from hftk.models.spec import FIELD, ModelSpec, model_spec
 
 
 @dataclass
 class DecoderLayout:
-    """Handles on one causal-LM's parts (all still owned by the model)."""
+    """One causal LM's parts (all still owned by the model)."""
 
-    family: str
+    spec: ModelSpec
+    model: nn.Module  # the causal LM itself (unwrapped)
     backbone: nn.Module
     blocks: nn.ModuleList
-    token_embedding: nn.Embedding
-    position_embedding: nn.Embedding | None
-    final_norm: nn.Module
-    lm_head: nn.Module
-    tied: bool  # input embedding and LM head share one weight
-    embedding_dropout: nn.Module | None = None
-    rotary: nn.Module | None = None  # the backbone's rotary-embedding module (Llama / NeoX families)
+    before: dict[str, nn.Module]  # backbone children with weights the forward runs before the blocks
+    after: dict[str, nn.Module]  # ... after them (the final norm)
+    head: nn.Module | None
 
     @property
-    def block_class(self) -> type[nn.Module]:
-        return type(self.blocks[0])
+    def tied(self) -> bool:
+        embedding = self.model.get_input_embeddings()
+        return self.head is not None and self.head.weight is embedding.weight
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -52,44 +50,27 @@ def causal_lm(model: nn.Module) -> nn.Module:
             return model
 
 
+def spec_of(model: nn.Module) -> ModelSpec:
+    return model_spec(causal_lm(model).config)
+
+
 def layout(model: nn.Module) -> DecoderLayout:
-    """The :class:`DecoderLayout` of a GPT-2 / GPT-NeoX / Llama / Mistral / Qwen2 causal LM, wrapped or not."""
+    """The :class:`DecoderLayout` of a causal LM, wrapped or not; a model whose structure could not be derived
+    raises the spec's one line."""
     model = causal_lm(model)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in FAMILIES:
-        raise HftkError("model.model_name_or_path", f"architecture '{model_type}' has no known decoder layout.",
-                        f"use a model of a supported family ({supported_families()}).")
-    spec = FAMILIES[model_type]
-    backbone = getattr(model, spec.backbone)
-    lm_head = model.get_output_embeddings()
-    token_embedding = getattr(backbone, spec.token_embedding)
-    return DecoderLayout(
-        family=model_type,
-        backbone=backbone,
-        blocks=getattr(backbone, spec.blocks),
-        token_embedding=token_embedding,
-        position_embedding=getattr(backbone, spec.position_embedding) if spec.position_embedding else None,
-        final_norm=getattr(backbone, spec.final_norm),
-        lm_head=lm_head,
-        tied=lm_head is not None and lm_head.weight is token_embedding.weight,
-        embedding_dropout=getattr(backbone, spec.embedding_dropout) if spec.embedding_dropout else None,
-        rotary=getattr(backbone, "rotary_emb", None),
-    )
+    spec = model_spec(model.config)
+    if not spec.has_structure:
+        raise HftkError(FIELD, f"hftk cannot derive the decoder structure of {spec.name} ('{spec.family}'): "
+                        f"{spec.structure_problem}.", "train it with ddp, fsdp or a ZeRO stage.")
+    backbone = model.get_submodule(spec.backbone) if spec.backbone else model
+    return DecoderLayout(spec=spec, model=model, backbone=backbone, blocks=getattr(backbone, spec.blocks),
+                         before={n: getattr(backbone, n) for n in spec.before_blocks},
+                         after={n: getattr(backbone, n) for n in spec.after_blocks},
+                         head=model.get_submodule(spec.head) if spec.head else None)
 
 
-def decoder_block_class(model: nn.Module) -> type[nn.Module]:
-    """The class of one decoder block: the FSDP wrap unit and the pipeline split unit.
-
-    Known families use :func:`layout`; any other HF model falls back to its own
-    ``_no_split_modules`` declaration, which names exactly that class.
-    """
-    model = causal_lm(model)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type in FAMILIES:
-        return layout(model).block_class
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    for module in model.modules():
-        if type(module).__name__ in names:
-            return type(module)
-    raise HftkError("model.model_name_or_path", f"cannot find the decoder-layer class of '{model_type}'.",
-                    f"use a model of a supported family ({supported_families()}).")
+def block_modules(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks (FSDP's units), found by the classes the spec read off the blocks; none when the
+    structure could not be derived."""
+    classes = set(spec_of(model).block_classes)
+    return [m for m in causal_lm(model).modules() if type(m).__name__ in classes]

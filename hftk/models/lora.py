@@ -23,10 +23,10 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hftk.config import support
-from hftk.config.family_table import FAMILIES, supported_families
 from hftk.config.options import ModelConfig, RunConfig
 from hftk.core.errors import HftkError
 from hftk.models.loading import partition_like_base
+from hftk.models.spec import model_spec
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -40,28 +40,36 @@ ADAPTABLE = ("Linear", "Conv1D", "Embedding", "Conv1d", "Conv2d", "Conv3d")
 
 # ---- before any process group ----
 
-def target_modules(cfg: ModelConfig, model_type: str) -> list[str]:
-    """The module names to adapt: the user's list, else the architecture's attention and MLP projections."""
+def target_modules(cfg: ModelConfig, model_config: Any) -> list[str]:
+    """The module names to adapt: the user's list, else every linear projection of the decoder blocks (the
+    model's spec: PEFT's ``all-linear`` by name)."""
     if cfg.lora_target_modules:
         return [name.strip() for name in cfg.lora_target_modules.split(",") if name.strip()]
-    if model_type not in FAMILIES:
-        raise HftkError("model.lora_target_modules", f"hftk has no default LoRA targets for architecture "
-                        f"'{model_type}'.", f"pass --lora_target_modules with its attention / MLP layer names "
-                        f"(defaults exist for {supported_families()}).")
-    return list(FAMILIES[model_type].lora_targets)
+    spec = model_spec(model_config, cfg.trust_remote_code)
+    if not spec.lora_targets:
+        why = spec.structure_problem or "its decoder blocks hold no linear projection"
+        raise HftkError("model.lora_target_modules", f"hftk finds no default LoRA targets in {spec.name} "
+                        f"('{spec.family}'): {why}.", "pass --lora_target_modules with its attention / MLP layer names.")
+    return list(spec.lora_targets)
 
 
-def lora_config(cfg: ModelConfig, model_type: str, new_tokens: dict[str, list[int]] | None = None) -> Any:
+def uses_conv1d(model: Any) -> bool:
+    """Whether the targets are transformers' ``Conv1D`` (GPT-2 style, weights stored (in, out): PEFT's
+    ``fan_in_fan_out``); a quantized base has bitsandbytes Linear layers (out, in) there instead."""
+    return any(type(m).__name__ == "Conv1D" for m in model.modules())
+
+
+def lora_config(cfg: ModelConfig, model_config: Any, new_tokens: dict[str, list[int]] | None = None,
+                conv1d: bool = False) -> Any:
     """PEFT's ``LoraConfig`` of this run (no bias, causal LM, base revision recorded, DoRA / rsLoRA).
 
     ``new_tokens``: the rows the run added (chat markers, ``data.add_chat_tokens``) by embedding module
-    (:func:`trainable_tokens`); PEFT's ``trainable_token_indices`` trains them beside the adapters."""
+    (:func:`trainable_tokens`); PEFT's ``trainable_token_indices`` trains them beside the adapters.
+    ``conv1d``: the model's projections are ``Conv1D`` (:func:`uses_conv1d`)."""
     from peft import LoraConfig
 
-    # GPT-2's Conv1D stores weights (in, out); quantized, transformers replaced it by a bitsandbytes Linear (out, in).
-    conv1d = model_type == "gpt2" and not (cfg.load_in_4bit or cfg.load_in_8bit)
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=target_modules(cfg, model_type), bias="none", task_type="CAUSAL_LM",
+                      target_modules=target_modules(cfg, model_config), bias="none", task_type="CAUSAL_LM",
                       fan_in_fan_out=conv1d, use_dora=cfg.use_dora, use_rslora=cfg.use_rslora,
                       revision=None if cfg.model_revision == "main" else cfg.model_revision,
                       trainable_token_indices=new_tokens or None)
@@ -154,7 +162,7 @@ def check_targets(cfg: ModelConfig, model_config: Any) -> None:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
-    targets = target_modules(cfg, model_config.model_type)
+    targets = target_modules(cfg, model_config)
     kinds = {name: type(module).__name__ for name, module in model.named_modules() if name}
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in kinds)]
     if missing:
@@ -194,7 +202,7 @@ def apply(model: Any, cfg: RunConfig, args: Any, new_tokens: list[int] | None = 
                                                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
     with torch.random.fork_rng(devices=[]):  # every rank (and a one-process run) draws the same lora_A
         torch.manual_seed(args.seed)
-        config = lora_config(cfg.model, model.config.model_type, trainable_tokens(model, new_tokens or []))
+        config = lora_config(cfg.model, model.config, trainable_tokens(model, new_tokens or []), uses_conv1d(model))
         model = get_peft_model(model, config)
     partition_like_base(model)  # the adapters PEFT added
     counts = parameter_counts(model)
@@ -202,7 +210,8 @@ def apply(model: Any, cfg: RunConfig, args: Any, new_tokens: list[int] | None = 
         from hftk.telemetry.metrics import append_jsonl
 
         targets = ", ".join(sorted(model.peft_config[ADAPTER_NAME].target_modules))
-        print(f"hftk: LoRA r={cfg.model.lora_r} alpha={cfg.model.lora_alpha} on {targets}: "
+        chosen = "" if cfg.model.lora_target_modules else " (default: every linear projection of the decoder blocks)"
+        print(f"hftk: LoRA r={cfg.model.lora_r} alpha={cfg.model.lora_alpha} on {targets}{chosen}: "
               f"{counts['lora_trainable_params']:,} trainable of {counts['lora_total_params']:,} parameters "
               f"({100 * counts['lora_trainable_fraction']:.3f}%)", flush=True)
         append_jsonl(cfg.output_dir / cfg.tracking.metrics_file, {"step": 0, **counts})

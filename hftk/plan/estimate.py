@@ -62,26 +62,21 @@ OPTIM_8BIT_BLOCK = 256  # elements per absmax of an 8-bit optimizer state
 
 def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | None = None) -> ModelShape:
     """Count parameters of the model built on the meta device (LoRA adapters added the same way)."""
-    from transformers import AutoModelForCausalLM
+    from hftk.models.layout import block_modules, spec_of
+    from hftk.models.spec import meta_model
 
-    from hftk.models.layout import decoder_block_class
-
-    # torch's meta device, not accelerate's init_empty_weights: under the latter transformers 5 leaves
-    # tied embeddings untied, and GPT-2's LM head would count twice.
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+    model = meta_model(model_config)
     hidden = _config_int(model_config, "hidden_size", "n_embd")
-    block_class = decoder_block_class(model)
+    blocks = block_modules(model)  # none when they cannot be derived: FSDP then gathers the whole model as one unit
     if lora_r:  # the adapters the run would add (hftk.models.lora: same targets), so T counts only them
         from peft import get_peft_model
 
         from hftk.config.options import ModelConfig
-        from hftk.models.lora import lora_config
+        from hftk.models.lora import lora_config, uses_conv1d
 
         lora = ModelConfig(lora_r=lora_r, lora_target_modules=lora_target_modules)
-        model = get_peft_model(model, lora_config(lora, model_config.model_type))
+        model = get_peft_model(model, lora_config(lora, model_config, conv1d=uses_conv1d(model)))
     params = list(model.parameters())
-    blocks = [m for m in model.modules() if isinstance(m, block_class)]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     quantizable, rows = _quantizable(model)
     optim_8bit = _optim_8bit(model)
@@ -90,13 +85,13 @@ def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | N
         trainable=sum(p.numel() for p in params if p.requires_grad),
         trainable_tensors=sum(1 for p in params if p.requires_grad),
         hidden=hidden,
-        layers=len(blocks),
+        layers=len(blocks) or spec_of(model).layers,
         heads=_config_int(model_config, "num_attention_heads", "n_head"),
         vocab=_config_int(model_config, "vocab_size"),
-        largest_block=max(sum(p.numel() for p in b.parameters()) for b in blocks),
+        largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
         outside_blocks=sum(p.numel() for p in params if id(p) not in in_blocks),
         persistent=sum(p.numel() for p in params if p.numel() <= 10 * hidden),
-        saved=profile(model, block_class),
+        saved=profile(model, blocks, _sliding_window(spec_of(model))),
         quantizable=quantizable, quantizable_rows=rows, optim_8bit=sum(optim_8bit),
         optim_8bit_tensors=len(optim_8bit), kv_width=kv_width(model_config),
     )
@@ -109,6 +104,11 @@ def kv_width(model_config: Any) -> int:
     heads = _config_int(model_config, "num_attention_heads", "n_head")
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     return kv_heads * (getattr(model_config, "head_dim", None) or hidden // heads)
+
+
+def _sliding_window(spec: Any) -> int | None:
+    """The window of the model's sliding layers (the activation trace's second regime), or None."""
+    return spec.sliding_window if "sliding_attention" in spec.layer_types else None
 
 
 def _quantizable(model: Any) -> tuple[int, int]:
@@ -555,12 +555,14 @@ def format_table(shape: ModelShape, inputs: PlanInputs, plans: list[StrategyPlan
             f"{_rollouts(inputs)}")
     cols = ["strategy", "params", "grads", "optimizer", "model state", "offloaded", "reference", "transient",
             "activations", "generation", "runtime", "peak", "fits"]
+    estimated = [p for p in plans if p.refused is None]
     rows = [[p.strategy, *(_size(v) for v in (p.params, p.grads, p.optimizer, p.model_state, p.offloaded, p.reference,
                                               p.transient, p.activations, p.generation, p.runtime, p.device_total)),
-             "yes" if p.fits else "no"] for p in plans]
+             "yes" if p.fits else "no"] for p in estimated]
     widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]
     lines = [head, "", "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines += [f"{p.strategy.ljust(widths[0])}  refused: {p.refused}" for p in plans if p.refused is not None]
     budget = inputs.device_memory_bytes * (1 - HEADROOM)
     lines += ["", f"pick: {chosen.strategy}" if chosen else
               f"pick: none fits {budget / GIB:.2f} GiB ({HEADROOM:.0%} headroom kept)"]

@@ -86,6 +86,12 @@ class StrategyPlan:
     fits: bool = False
     reference: int = 0  # DPO's / GRPO's frozen reference model, as this strategy holds it (no gradients, no optimizer)
     generation: int = 0  # GRPO's rollouts on top of the model state: the KV cache, the last logits, gathered weights
+    refused: str | None = None  # why this model cannot run under the strategy (then the bytes are 0, not estimated)
+
+    @classmethod
+    def refusal(cls, strategy: str, why: str) -> "StrategyPlan":
+        """The row of a strategy this model cannot run: its reason instead of an estimate."""
+        return cls(strategy, 0, 0, 0, 0, 0, 0, 0, refused=why)
 
     @property
     def model_state(self) -> int:

@@ -19,6 +19,8 @@ from hftk.core.errors import HftkError
 from hftk.engine.resilience import check_restartable
 from hftk.launch.guard import check_accelerate_launch, parent_argv
 from hftk.models.lora import validate as check_lora
+from hftk.models.moe import check_options as check_moe
+from hftk.models.spec import model_spec
 
 
 def launch_world_size() -> int:
@@ -475,6 +477,7 @@ def check_model(cfg: RunConfig, model_config: Any) -> None:
                         "--block_size (the longest prompt kept).")
     check_reference(cfg, model_config)
     check_lora(cfg, model_config)
+    check_moe(cfg, model_spec(model_config, cfg.model.trust_remote_code))
     hidden = getattr(model_config, "hidden_size", None)
     if cfg.model.lora_r and hidden and cfg.model.lora_r > hidden:
         raise HftkError("model.lora_r", f"{cfg.model.lora_r} exceeds the model's hidden size {hidden} (an adapter "

@@ -11,7 +11,8 @@ outside the model code:
 - **Attention without a mask.** Ring attention only knows ``is_causal``: hftk registers its own
   attention implementation with transformers (:data:`ATTENTION`), SDPA that drops the mask and
   is always causal, and for which transformers builds no ``S x S`` mask at all. Models whose
-  layers need a stricter mask (sliding windows) are refused: dropping it would change them.
+  layers need a stricter mask (sliding windows shorter than the block, other layer kinds), soft-capped
+  scores or sinks are refused (:func:`hftk.models.spec.causal_only_problem`): dropping them would change them.
 - **Ring attention.** Inside :func:`ring_attention_context` torch redirects
   ``scaled_dot_product_attention`` to its ring implementation on the ``cp`` group (K/V blocks
   passed around the ring, partial results merged by log-sum-exp) for forward and backward.
@@ -33,6 +34,7 @@ import torch
 from hftk.config.options import RunConfig
 from hftk.config.support import check_packing
 from hftk.core.errors import HftkError
+from hftk.models.spec import check_strategy, model_spec
 
 ATTENTION = "hftk_ring"  # transformers attention implementation registered by :func:`register_attention`
 SEQUENCE_KEYS = ("input_ids", "position_ids", "shift_labels")
@@ -51,12 +53,7 @@ def validate(cfg: RunConfig, model_config: Any, cp: int, device: str) -> None:
     if cfg.model.attn_implementation not in (None, "sdpa"):
         raise HftkError("model.attn_implementation", f"'{cfg.model.attn_implementation}' is not supported with "
                         "context parallel (torch's ring attention replaces SDPA).", "use sdpa or leave it unset.")
-    layer_types = set(getattr(model_config, "layer_types", None) or ())
-    if layer_types - {"full_attention"} or (not layer_types and getattr(model_config, "sliding_window", None)):
-        kinds = sorted(layer_types - {"full_attention"}) or ["sliding_attention"]
-        raise HftkError("model.model_name_or_path", f"{kinds} layers need a mask stricter than causal, which ring "
-                        "attention cannot apply (dropping it would train a different model).",
-                        "use strategy sp or tp for this model, or a model with full causal attention.")
+    check_strategy(model_spec(model_config, cfg.model.trust_remote_code), "cp", cfg.data.block_size)
     try:
         ring = _ring_module()
     except ImportError:

@@ -5,10 +5,11 @@ GPU-like distributed types, so on CPU ``distributed_type: FSDP`` and the Trainer
 silently train plain DDP; and a plain Accelerator given an FSDP2 model wraps it in DDP and
 crashes on its DTensor parameters. One path serves CPU (gloo) and GPU (NCCL) alike:
 
-1. :func:`prepare_model` calls ``fully_shard`` on every decoder block (the class comes from
-   :func:`hftk.models.layout.decoder_block_class`), then on the root, which owns the embeddings, the
-   final norm and the LM head, so tied input/output embeddings stay one sharded parameter. It
-   marks the model as already prepared so accelerate does not wrap it in DDP.
+1. :func:`prepare_model` calls ``fully_shard`` on every decoder block (the model's spec names their
+   classes: :func:`hftk.models.layout.block_modules`), then on the root, which owns the embeddings, the
+   final norm and the LM head, so tied input/output embeddings stay one sharded parameter. A model
+   whose blocks cannot be derived is one unit (the root), and the run says so. It marks the model as
+   already prepared so accelerate does not wrap it in DDP.
 2. :class:`FSDPTrainer` is the HF Trainer with FSDP2's checkpoint I/O: sharded
    (``torch.distributed.checkpoint``) or full model and optimizer state inside the Trainer's own
    ``checkpoint-N`` folders (scheduler, RNG and trainer state stay the Trainer's), and a
@@ -30,7 +31,7 @@ from transformers import Trainer
 from hftk.config.options import RunConfig
 from hftk.core.errors import HftkError
 from hftk.models import lora
-from hftk.models.layout import decoder_block_class
+from hftk.models.layout import block_modules, spec_of
 
 # A 4-bit base stores its packed bytes as compute-dtype elements (modeling.quantization_config), so every
 # parameter FSDP2 shards is floating point (torch's fully_shard cannot shard bitsandbytes' uint8 default).
@@ -121,8 +122,12 @@ def apply_fsdp(model: Any, blocks: list[Any], mesh: Any, reshard_after_forward: 
 def prepare_model(model: Any, cfg: RunConfig) -> Any:
     """``fully_shard`` each decoder block, then the root; returns the same (now sharded) model."""
     tied = _tied_aliases(model)
-    block = decoder_block_class(model)
-    apply_fsdp(model, [m for m in model.modules() if isinstance(m, block)], device_mesh(cfg),
+    blocks = block_modules(model)
+    if not blocks and int(os.environ.get("RANK", "0")) == 0:
+        spec = spec_of(model)
+        print(f"hftk: fsdp: {spec.name}'s decoder blocks cannot be derived ({spec.structure_problem}): the whole "
+              "model is one FSDP unit, gathered whole for each forward and backward", flush=True)
+    apply_fsdp(model, blocks, device_mesh(cfg),
                cfg.strategy.fsdp_reshard_after_forward, bool(cfg.training.get("bf16")), cfg.strategy.fsdp_cpu_offload)
     if _tied_aliases(model) != tied:  # e.g. a family whose tied head lives inside a block
         raise HftkError("model.model_name_or_path", f"sharding split the tied weights {sorted(tied)} into separate "

@@ -129,9 +129,11 @@ def token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (batch["shift_labels"] != IGNORE_INDEX).sum().to(torch.float64)
 
 
-def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None = None
-             ) -> torch.Tensor:
-    """Sum of next-token cross-entropy over this rank's target tokens (logits may be vocabulary-sharded).
+def loss_terms(model: torch.nn.Module, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(sum of next-token cross-entropy over this rank's target tokens (logits may be vocabulary-sharded), the
+    model's weighted balancing loss when it has experts and trains: ``router_aux_loss_coef x aux_loss`` as
+    :mod:`hftk.models.moe` set them, else None).
 
     ``autocast_dtype``: the forward runs under autocast to it (the Trainer's ``--bf16``); the
     loss is computed in fp32 either way.
@@ -139,9 +141,17 @@ def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], autocast_dt
     inputs = {k: v for k, v in batch.items() if k != "shift_labels"}
     device = batch["input_ids"].device.type
     with torch.autocast(device, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-        logits = model(**inputs, use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch["shift_labels"].flatten(), reduction="sum",
-                           ignore_index=IGNORE_INDEX)
+        out = model(**inputs, use_cache=False)
+    ce = F.cross_entropy(out.logits.flatten(0, 1).float(), batch["shift_labels"].flatten(), reduction="sum",
+                         ignore_index=IGNORE_INDEX)
+    aux = getattr(out, "aux_loss", None)
+    return ce, (model.router_aux_loss_coef * aux.float() if isinstance(aux, torch.Tensor) else None)
+
+
+def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None = None
+             ) -> torch.Tensor:
+    """:func:`loss_terms`' cross-entropy sum alone (evaluation, the tests' references)."""
+    return loss_terms(model, batch, autocast_dtype)[0]
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
@@ -228,14 +238,20 @@ class MeshStep:
         local = [layout.shard_batch(model_batch(rows, self.device)) for rows in windows]
         tokens = all_reduce_sum(sum(token_count(b) for b in local), layout.data_groups)
         total = torch.zeros((), dtype=torch.float64, device=tokens.device)
+        balance = torch.zeros((), dtype=torch.float64, device=tokens.device)
         for i, batch in enumerate(local):
             set_gradient_sync(model, i == len(local) - 1)
             with layout.loss_context():
-                summed = loss_sum(model, batch, layout.autocast_dtype)
-                (summed * (layout.grad_scale / tokens.item())).backward()
+                summed, aux = loss_terms(model, batch, layout.autocast_dtype)
+                objective = [summed * (layout.grad_scale / tokens.item())]
+                if aux is not None:  # already divided by the step's micro-batches (hftk.models.moe.prepare)
+                    objective.append(aux * layout.grad_scale)  # its own root: the cross-entropy may be a DTensor
+                    balance += plain(aux.detach()).to(torch.float64)
+                torch.autograd.backward(objective)
             total += plain(summed.detach()).to(torch.float64)
         layout.reduce_grads()
-        return float(all_reduce_sum(total, layout.data_groups) / tokens)
+        return float((all_reduce_sum(total, layout.data_groups) / tokens
+                      + all_reduce_sum(balance, layout.data_groups)))
 
     def clip_gradients(self, max_norm: float) -> float:
         return clip_grad_norm(self.layout.model, max_norm)

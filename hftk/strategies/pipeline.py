@@ -1,10 +1,10 @@
 """Pipeline parallelism for GPT-style Hub models with ``torch.distributed.pipelining``.
 
-The HF model is cut along its own structure (:mod:`hftk.models.layout`): embeddings -> decoder
-blocks -> final norm -> LM head, into contiguous stages balanced by parameter count. Each
-stage is a small :class:`DecoderStage` that calls the model's own submodules the way the
-model's forward does (position ids, rotary embeddings and the causal mask are rebuilt per
-stage), so the model code is never edited. Schedules: GPipe, 1F1B and interleaved 1F1B
+The HF model is cut along its own structure (:mod:`hftk.models.spec`: transformers'
+``base_model_pp_plan`` or the module tree): embeddings -> decoder blocks -> final norm -> LM head,
+into contiguous stages balanced by parameter count. Each stage (:class:`DecoderStage`) runs the
+model's own forward over its blocks only, so the model code is never edited and nothing the model
+does around its blocks is lost. Schedules: GPipe, 1F1B and interleaved 1F1B
 (``pp_virtual_stages`` stages per rank, stage ``s`` on pipeline rank ``s % pp_size``).
 
 Layout of the processes: a ``(dp, pp)`` device mesh; ranks ``d*pp .. d*pp+pp-1`` form
@@ -33,10 +33,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hftk.comm.collectives import all_reduce_flat, gather_objects
-from hftk.config.family_table import FAMILIES, supported_families
 from hftk.config.options import RunConfig, StrategyConfig
 from hftk.core.errors import HftkError
+from hftk.models import moe
 from hftk.models.layout import DecoderLayout, layout
+from hftk.models.spec import check_strategy, model_spec
 from hftk.strategies.parallel_dims import ParallelDims, parallel_dims
 
 MANIFEST = "pipeline.json"
@@ -77,11 +78,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
                             f"{s.pp_size}; {m} is not a multiple of {rounds} rounds.",
                             f"use a multiple of pp_size ({s.pp_size}) or fewer micro-batches than pp_size.")
     model_config = load_model_config(cfg.model)
-    model_type = getattr(model_config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise HftkError("model.model_name_or_path", f"pipeline parallelism does not know the architecture '{model_type}'.",
-                        f"use a model of a supported family ({supported_families()}).")
-    layers = model_config.num_hidden_layers
+    check_strategy(model_spec(model_config, cfg.model.trust_remote_code), "pipeline")
+    layers = model_spec(model_config, cfg.model.trust_remote_code).layers
     stages = s.pp_size * stages_per_rank(s)
     if stages > layers:
         name = "strategy.pp_virtual_stages" if stages_per_rank(s) > 1 else "strategy.pp_size"
@@ -179,76 +177,157 @@ def split_blocks(block_sizes: list[int], head: int, tail: int, n_stages: int) ->
 
 def plan_stages(parts: DecoderLayout, n_stages: int) -> list[range]:
     """Which decoder blocks each of ``n_stages`` stages runs, balanced by parameter count."""
-    head = _numel(parts.token_embedding) + _numel(parts.position_embedding)
-    tail = _numel(parts.final_norm) + parts.lm_head.weight.numel() + (
-        parts.lm_head.bias.numel() if getattr(parts.lm_head, "bias", None) is not None else 0)
+    head = sum(_numel(m) for m in parts.before.values())
+    tail = sum(_numel(m) for m in parts.after.values()) + _numel(parts.head)
     return split_blocks([_numel(b) for b in parts.blocks], head, tail, n_stages)
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage modules
+# Stage modules: the model's own forward, run over this stage's blocks only
 # ---------------------------------------------------------------------------------------------
 
-def _attention_kind(config: Any, layer_index: int) -> str:
-    """Which mask a block needs: per-layer types (Qwen2), Mistral's sliding window, else full causal."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return types[layer_index]
-    if config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
-        return "sliding_attention"
-    return "full_attention"
+def _copy_plain_attributes(source: nn.Module, target: nn.Module) -> None:
+    """A stand-in answers what a forward may read off the block it replaces (``attention_type``, ``layer_idx``)."""
+    for key, value in vars(source).items():
+        if not key.startswith("_") and key != "training" and isinstance(value, (str, int, float, bool)):
+            setattr(target, key, value)
+
+
+class _Feed(nn.Module):
+    """Stands in for a block before this stage's first: hands on what the stage received (the previous stage's
+    hidden states) instead of what the forward computed on its zero placeholder."""
+
+    def __init__(self, box: dict[str, torch.Tensor], block: nn.Module) -> None:
+        super().__init__()
+        self.box = box
+        _copy_plain_attributes(block, self)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.box["input"]
+
+
+class _Pass(nn.Module):
+    """Stands in for a block after this stage's last: passes the hidden states on; the first one records them
+    (``box``: this stage's output)."""
+
+    def __init__(self, block: nn.Module, box: dict[str, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.box = box
+        _copy_plain_attributes(block, self)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if self.box is not None:
+            self.box["output"] = hidden
+        return hidden
+
+
+class _ShapeOnly(nn.Module):
+    """Stands in, on a rank that does not hold it, for a module the model's forward still calls around this
+    rank's blocks (GPT-2 adds its position table before them, a backbone runs its final norm after them):
+    zeros of the module's output shape, computed on a weightless meta copy; the stage never uses the values."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        import copy
+
+        memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                                for p in module.parameters()}
+        memo.update({id(b): torch.empty_like(b, device="meta") for b in module.buffers()})
+        self.meta = (copy.deepcopy(module, memo),)  # a tuple: not a submodule, never moved or saved
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils._pytree import tree_map
+
+        device = next((t.device for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)), None)
+        to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+        out = self.meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
+                        if isinstance(t, torch.Tensor) else t, out)
 
 
 class DecoderStage(nn.Module):
-    """One stage: [embeddings] -> blocks -> [final norm + LM head], as the HF backbone runs them.
+    """One stage: the causal LM's own forward, over this stage's blocks only.
 
-    Holds references to the model's own submodules (no copies); ``names`` maps each of its
-    state-dict keys to the full model's name, so per-stage checkpoints merge into one model.
+    The model code is not rebuilt: during this stage's forward the backbone's block list is a view in which
+    the blocks before the stage hand on the received hidden states (:class:`_Feed`) and those after it pass
+    them through (:class:`_Pass`), so everything the model does around its blocks (embedding scales and
+    multipliers, per-layer-type masks and rotary tables, logit scaling and soft-capping) runs as the model
+    runs it. The first stage feeds ``input_ids``; a later one feeds zeros as ``inputs_embeds`` (the forward's
+    code before the blocks runs on them, their values never reach a block). The last stage returns the
+    causal LM's logits, the others the hidden states after their last block.
+
+    Holds references to the model's own submodules (no copies); ``names`` maps each of its state-dict keys to
+    the full model's name, so per-stage checkpoints merge into one model.
     """
 
-    def __init__(self, parts: DecoderLayout, config: Any, blocks: range, first: bool, last: bool,
+    def __init__(self, parts: DecoderLayout, blocks: range, first: bool, last: bool,
                  qualnames: dict[int, str]) -> None:
         super().__init__()
-        self.config = config
         self.first, self.last = first, last
         self.block_indices = list(blocks)
-        self.kinds = [_attention_kind(config, i) for i in self.block_indices]
         self.blocks = nn.ModuleList(parts.blocks[i] for i in self.block_indices)
-        self.embed = parts.token_embedding if first else None
-        self.position_embed = parts.position_embedding if first else None
-        self.embed_dropout = parts.embedding_dropout if first else None
-        self.rotary = parts.rotary
-        self.norm = parts.final_norm if last else None
-        self.head = parts.lm_head if last else None
+        self.before = nn.ModuleDict(parts.before) if first else None
+        self.after = nn.ModuleDict(parts.after) if last else None
+        self.head = parts.head if last else None
         owned = [(f"blocks.{j}", block) for j, block in enumerate(self.blocks)]
-        owned += [(local, m) for local, m in self.named_children() if local not in ("blocks", "rotary")]
+        owned += [(f"before.{n}", m) for n, m in (parts.before.items() if first else ())]
+        owned += [(f"after.{n}", m) for n, m in (parts.after.items() if last else ())]
+        owned += [("head", parts.head)] if last and parts.head is not None else []
         self.names = {f"{local}.{key}": f"{qualnames[id(module)]}.{key}"
                       for local, module in owned for key in module.state_dict()}
+        self._box: dict[str, torch.Tensor] = {}
+        end = blocks.stop
+        view = [_Feed(self._box, b) if i < blocks.start else b if i < end
+                else _Pass(b, self._box if i == end else None) for i, b in enumerate(parts.blocks)]
+        # tuples: the model, its backbone and the view are reached through, not owned (no double registration)
+        self._model, self._backbone, self._view = (parts.model,), (parts.backbone,), (nn.ModuleList(view),)
+        self._blocks_name = parts.spec.blocks
+        # Mixture of experts with a balancing loss: the running sums of every MoE layer's router travel with the
+        # hidden states, and the last stage adds the loss they make (hftk.models.moe.add_balance_sums)
+        moe = parts.spec.moe
+        self._moe = moe if moe is not None and moe.aux_coef is not None else None
+        self._routers = [parts.blocks[i].get_submodule(moe.router) for i in self.block_indices
+                         if i in moe.layers] if self._moe else []
 
-    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, *carried: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> Any:
         """``position_ids`` (packing bfd: restarting per example, no ``attention_mask``) reach every stage with
-        the batch; transformers' mask makers then build the packed block-diagonal mask from them, as in the
-        model's own forward. Without them positions count 0.. along the row."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        hidden = self.embed(inputs) if self.first else inputs
-        if position_ids is None:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        if self.position_embed is not None:
-            hidden = hidden + self.position_embed(position_ids).to(hidden.device)
-        if self.embed_dropout is not None:
-            hidden = self.embed_dropout(hidden)
-        mask_args = dict(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
-                         position_ids=position_ids)
-        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        masks = {kind: makers[kind](**mask_args) for kind in set(self.kinds)}
-        extra = {"position_embeddings": self.rotary(hidden, position_ids)} if self.rotary is not None else {}
-        for block, kind in zip(self.blocks, self.kinds):
-            hidden = block(hidden, attention_mask=masks[kind], position_ids=position_ids, **extra)
-        if self.last:
-            return self.head(self.norm(hidden))
-        return hidden
+        the batch; the model's mask makers then build the packed block-diagonal mask from them. ``carried``: the
+        balancing loss's running sums from the stages before (mixture of experts)."""
+        model, backbone = self._model[0], self._backbone[0]
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+        if self._moe:  # the stage adds the balancing loss itself: the model would see this stage's routers only
+            kwargs["output_router_logits"] = False
+        if self.first:
+            kwargs["input_ids"] = inputs
+        else:
+            self._box["input"] = inputs
+            kwargs["inputs_embeds"] = torch.zeros_like(inputs)
+        logits: list[torch.Tensor] = []
+        index = self._moe.router_logits_index if self._moe else 0
+        hooks = [r.register_forward_hook(lambda _m, _a, out: logits.append(out[index])) for r in self._routers]
+        own = backbone._modules[self._blocks_name]
+        backbone._modules[self._blocks_name] = self._view[0]
+        try:
+            if self.last:
+                out = model(**kwargs).logits
+            else:
+                backbone(**kwargs)
+                out = self._box["output"]
+        finally:
+            backbone._modules[self._blocks_name] = own
+            self._box.clear()
+            for hook in hooks:
+                hook.remove()
+        if not self._moe:
+            return out
+        sums = carried[0] if carried else torch.zeros(2 * self._moe.num_experts + 1, device=inputs.device)
+        for layer_logits in logits:
+            sums = moe.add_balance_sums(sums, layer_logits, self._moe.top_k, attention_mask)
+        if not self.last:
+            return out, sums
+        return out, moe.balance_loss(sums)  # the loss function weighs it beside the cross-entropy (TokenLoss)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's tensors under the full model's names."""
@@ -263,14 +342,30 @@ class DecoderStage(nn.Module):
 
 
 def build_stages(model: nn.Module, n_stages: int) -> list[DecoderStage]:
-    """All ``n_stages`` stage modules of ``model`` (each process then keeps only its own)."""
+    """All ``n_stages`` stage modules of ``model`` (each process then keeps only its own: :func:`keep_only`)."""
     parts = layout(model)
     qualnames: dict[int, str] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         qualnames.setdefault(id(module), name)
     plan = plan_stages(parts, n_stages)
-    return [DecoderStage(parts, model.config, blocks, i == 0, i == n_stages - 1, qualnames)
-            for i, blocks in enumerate(plan)]
+    return [DecoderStage(parts, blocks, i == 0, i == n_stages - 1, qualnames) for i, blocks in enumerate(plan)]
+
+
+def keep_only(model: nn.Module, stages: list[DecoderStage]) -> None:
+    """Free what this rank's ``stages`` do not hold: other stages' blocks become pass-through stand-ins, the
+    embeddings, final norm and head the forward still calls become :class:`_ShapeOnly` stand-ins (a tied head
+    keeps the weight it shares with an embedding held here)."""
+    parts = layout(model)
+    held = {id(m) for stage in stages for m in stage.modules()}
+    for i, block in enumerate(parts.blocks):
+        if id(block) not in held:
+            parts.blocks[i] = _Pass(block)
+    for name, module in [*parts.before.items(), *parts.after.items()]:
+        if id(module) not in held:
+            setattr(parts.backbone, name, _ShapeOnly(module))
+    if parts.head is not None and id(parts.head) not in held:
+        parent, _, leaf = parts.spec.head.rpartition(".")
+        setattr(parts.model.get_submodule(parent) if parent else parts.model, leaf, _ShapeOnly(parts.head))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,20 +417,29 @@ def topology(pp_size: int, device: torch.device) -> Topology:
 # ---------------------------------------------------------------------------------------------
 
 class TokenLoss:
-    """The model's own causal-LM loss, divided by the token count of the whole optimizer step.
+    """The model's own causal-LM loss, divided by the token count of the whole optimizer step; with a mixture of
+    experts' balancing loss beside the logits (the last stage's output ``(logits, balancing loss)``), plus that
+    loss weighted by the model's ``router_aux_loss_coef`` (:mod:`hftk.models.moe`) while training.
 
     ``divisor`` is set before every schedule step (training: tokens of all micro-batches,
-    accumulation steps and replicas; evaluation: 1, i.e. a sum).
+    accumulation steps and replicas; evaluation: 1, i.e. a sum, and no balancing term).
     """
 
-    def __init__(self, loss_function: Any, vocab_size: int) -> None:
-        self.loss_function = loss_function
+    def __init__(self, model: nn.Module, vocab_size: int) -> None:
+        self.model = model
         self.vocab_size = vocab_size
         self.divisor: torch.Tensor | float = 1.0
+        self.training = True
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
-                                  num_items_in_batch=self.divisor)
+    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
+                 ) -> torch.Tensor:
+        logits, balance = output if isinstance(output, tuple) else (output, None)
+        loss = self.model.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
+                                        num_items_in_batch=self.divisor)
+        if balance is None or not self.training:
+            return loss
+        moe.record_balance(self.model, float(balance.detach()))
+        return loss + self.model.router_aux_loss_coef * balance
 
 
 @dataclass
@@ -378,20 +482,23 @@ def build_runtime(model: nn.Module, s: StrategyConfig, topo: Topology, bf16: boo
     n_stages = s.pp_size * per_rank
     all_stages = build_stages(model, n_stages)
     indices = [topo.pp_rank + v * s.pp_size for v in range(per_rank)]
-    mine = [all_stages[i].to(topo.device) for i in indices]
+    mine = [all_stages[i] for i in indices]
     parts = layout(model)
     tied = None
     if parts.tied:
-        tied = (all_stages[0].names["embed.weight"], all_stages[-1].names["head.weight"])
+        tied = (all_stages[0].names[f"before.{parts.spec.embedding}.weight"], all_stages[-1].names["head.weight"])
+    shared = shared_parameters(all_stages[0], all_stages[-1])  # before the other ranks' parts are dropped here
+    keep_only(model, mine)
+    parts.model.to(topo.device)  # the stages' modules and what every stage runs (rotary tables); stand-ins stay meta
     pipe_stages = [PipelineStage(stage, i, n_stages, topo.device, group=topo.pp_group) for stage, i in zip(mine, indices)]
-    loss = TokenLoss(model.loss_function, model.config.vocab_size)
+    loss = TokenLoss(parts.model, model.config.vocab_size)
     cls = schedule_class(s.pp_schedule)
     target = pipe_stages if per_rank > 1 else pipe_stages[0]
     schedule = cls(target, n_microbatches=s.pp_microbatches, loss_fn=loss, scale_grads=False)
     params = [(stage.names[local], p) for stage in mine for local, p in stage.named_parameters()]
     return PipelineRuntime(topo=topo, stages=mine, stage_indices=indices, num_stages=n_stages, schedule=schedule,
                            loss=loss, microbatches=s.pp_microbatches, tied_names=tied,
-                           shared=shared_parameters(all_stages[0], all_stages[-1]),
+                           shared=shared,
                            autocast_dtype=torch.bfloat16 if bf16 else None, params=params, pipe_stages=pipe_stages)
 
 
@@ -414,7 +521,7 @@ def forward_backward(rt: PipelineRuntime, batch: dict[str, torch.Tensor], diviso
     """One batch through the pipeline, gradients accumulated; returns this rank's loss sum (0 off the last stage)."""
     for stage in rt.stages:
         stage.train()
-    rt.loss.divisor = divisor
+    rt.loss.divisor, rt.loss.training = divisor, True
     args, kwargs = _schedule_inputs(rt, batch)
     with _autocast(rt):
         rt.schedule.step(*args, return_outputs=False, **kwargs)
@@ -426,7 +533,7 @@ def evaluate_batch(rt: PipelineRuntime, batch: dict[str, torch.Tensor]) -> torch
     """Summed token loss of one batch on the last stage (0 elsewhere)."""
     for stage in rt.stages:
         stage.eval()
-    rt.loss.divisor = 1.0
+    rt.loss.divisor, rt.loss.training = 1.0, False
     args, kwargs = _schedule_inputs(rt, batch)
     with torch.no_grad(), _autocast(rt):
         rt.schedule.eval(*args, return_outputs=False, **kwargs)

@@ -32,8 +32,9 @@ import torch
 
 from hftk.comm.collectives import BUCKET_BYTES, all_reduce_flat
 from hftk.config.options import RunConfig
-from hftk.config.support import check_family, check_lora
+from hftk.config.support import check_lora
 from hftk.core.errors import HftkError
+from hftk.models.spec import check_strategy, model_spec
 from hftk.strategies.mesh import LOOP_DEFAULTS as MESH_LOOP_DEFAULTS
 from hftk.strategies.mesh import mesh_step
 from hftk.strategies.parallel_dims import parallel_dims
@@ -61,7 +62,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
                         f"choose a block_size divisible by {s.sp_size}.")
     check_training_options(cfg, "sp")
     config = load_model_config(cfg.model)
-    check_family("sp", config.model_type)
+    check_strategy(model_spec(config, cfg.model.trust_remote_code), "sp", cfg.data.block_size)
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if heads % s.sp_size or (kv % s.sp_size and s.sp_size % kv):
         raise HftkError("strategy.sp_size", f"the model's {heads} attention heads ({kv} key/value heads) do not split "
@@ -101,7 +102,10 @@ def register_ulysses(model: Any, group: Any) -> None:
                 disable_in_eval=False,
             )
         # The mask HF built is for the local slice; causal SDPA over the gathered sequence replaces it.
-        return adapters[batch](module, query, key, value, None, *args, **kwargs)
+        out, weights = adapters[batch](module, query, key, value, None, *args, **kwargs)
+        # DeepSpeed hands back (batch, local sequence, heads x head_dim); transformers' SDPA gives (batch, sequence,
+        # heads, head_dim), which models that merge heads from the output's own shape (GPT-2) need
+        return out.view(*out.shape[:2], query.shape[1], -1), weights
 
     ALL_ATTENTION_FUNCTIONS[ATTENTION] = attention
 

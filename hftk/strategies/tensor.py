@@ -81,12 +81,15 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
 
     from hftk.strategies import context
     from hftk.strategies.mesh import MeshLayout
-    from hftk.strategies.tp_plans import apply_tensor_parallel
+    from hftk.comm.collectives import all_reduce_flat
+    from hftk.strategies.tp_plans import apply_tensor_parallel, block_plan, partial_grad_params
 
     dims = parallel_dims(cfg.strategy, dist.get_world_size())
     replicate, shard, cp, tp = dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp
     mesh = dims.mesh(device_type, MESH_LOOP_DIMS)
+    partial: list[str] = []
     if tp > 1:
+        partial = partial_grad_params(model, block_plan(model.config))
         apply_tensor_parallel(model, mesh["tp"])
     if cp > 1:
         context.use_ring_attention(model)
@@ -94,6 +97,15 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     if data_size * cp > 1:
         shard_data_parallel(model, mesh, cfg.strategy.fsdp_reshard_after_forward)
     cp_rank = mesh["cp"].get_local_rank()
+    params = dict(model.named_parameters())
+    partial_params = [params[name] for name in partial if params[name].requires_grad]
+
+    def sum_partial_grads() -> None:
+        """Per-head norms (replicated, applied to this rank's heads): their gradients summed over the tp group."""
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in partial_params
+                 if p.grad is not None]
+        if grads:
+            all_reduce_flat(grads, mesh["tp"].get_group())
 
     @contextlib.contextmanager
     def loss_context() -> Any:
@@ -111,6 +123,7 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
                   "cp_size": cp, "tp_size": tp, "family": model.config.model_type, "vocab_parallel_loss": tp > 1},
         shard_batch=(lambda batch: context.shard_sequences(batch, cp, cp_rank)) if cp > 1 else (lambda batch: batch),
         loss_context=loss_context,
+        reduce_grads=sum_partial_grads,
     )
 
 
@@ -151,12 +164,13 @@ def estimate_memory(shape: Any, inputs: Any, tp: int, replicated: int, cp: int =
 
 def plan_rows(model_config: Any, shape: Any, inputs: Any, tp_size: int, sp_size: int, cp_size: int = 1) -> list[Any]:
     """``hftk plan`` rows for tensor / context / sequence parallel at the asked degrees (shown; ``auto`` never
-    picks them).
+    picks them); a layout this model cannot run is a row saying why (its spec's refusal).
 
     Which layout suits a model is a question of interconnect and sequence length, not only of
     memory, so these rows inform and the pick stays among the data-parallel strategies.
     """
-    from hftk.plan.types import HEADROOM
+    from hftk.models.spec import model_spec, strategy_refusal
+    from hftk.plan.types import HEADROOM, StrategyPlan
     from hftk.strategies import sequence, tp_plans
 
     for name, degree in (("--tp_size", tp_size), ("--sp_size", sp_size), ("--cp_size", cp_size),
@@ -164,12 +178,18 @@ def plan_rows(model_config: Any, shape: Any, inputs: Any, tp_size: int, sp_size:
         if inputs.world_size % degree:
             raise HftkError(name, f"{degree} does not divide the world size {inputs.world_size}.",
                             f"choose a {name} that divides --world_size.")
-    replicated = tp_plans.replicated_params(model_config)
-    rows = [estimate_memory(shape, inputs, tp_size, replicated)] if tp_size > 1 else []
-    rows += [estimate_memory(shape, inputs, tp_size, replicated, cp_size)] if cp_size > 1 else []
-    rows += [sequence.estimate_memory(shape, inputs, sp_size)] if sp_size > 1 else []
+    spec = model_spec(model_config)
+    asked = [("tp", tp_size > 1, f"tp{tp_size}"), ("cp", cp_size > 1, f"cp{cp_size}"), ("sp", sp_size > 1, f"sp{sp_size}")]
+    refused = {s: strategy_refusal(spec, s, inputs.seq_len) for s, wanted, _ in asked if wanted}
+    if tp_size > 1 and refused.get("cp") is None and refused.get("tp") is not None:
+        refused["cp"] = refused["tp"]  # cp x tp shards the layers tp does
+    rows = [StrategyPlan.refusal(label, refused[s].problem) for s, wanted, label in asked if wanted and refused[s]]
+    replicated = tp_plans.replicated_params(model_config) if tp_size > 1 and refused.get("tp") is None else 0
+    rows += [estimate_memory(shape, inputs, tp_size, replicated)] if tp_size > 1 and not refused["tp"] else []
+    rows += [estimate_memory(shape, inputs, tp_size, replicated, cp_size)] if cp_size > 1 and not refused["cp"] else []
+    rows += [sequence.estimate_memory(shape, inputs, sp_size)] if sp_size > 1 and not refused["sp"] else []
     for row in rows:
-        row.fits = row.device_total <= inputs.device_memory_bytes * (1 - HEADROOM)
+        row.fits = row.refused is None and row.device_total <= inputs.device_memory_bytes * (1 - HEADROOM)
     return rows
 
 

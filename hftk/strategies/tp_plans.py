@@ -1,77 +1,77 @@
-"""Tensor-parallel plans: which module of each decoder family is split which way, applied from outside.
+"""Tensor-parallel plans: which module of a model is split which way, applied from outside.
 
-Llama, Mistral, Qwen2 and GPT-NeoX ship a plan in their transformers config
-(``base_model_tp_plan``: q/k/v and up/gate projections column-wise, output projections
-row-wise); hftk uses it as is and adds the vocabulary-parallel input embedding and LM head.
-GPT-2 ships none, and its ``Conv1D`` layers (weight stored ``[in, out]``) defeat torch's
-colwise/rowwise styles, which shard ``nn.Linear``. hftk therefore converts GPT-2's four
-``Conv1D`` per block into ``nn.Linear`` from outside the model code, splitting the fused
-``c_attn`` into three projections so q, k and v are each sharded by heads; the export turns
-them back into the original names and shapes (:func:`to_hf_state_dict`).
+The plan is the model's own (:class:`hftk.models.spec.ModelSpec`'s ``tp_plan``: transformers'
+``base_model_tp_plan``, hand-written only for GPT-2), applied with torch's DTensor styles
+(:func:`to_parallel_styles`): q/k/v and up/gate projections column-wise, output projections row-wise,
+their gathered / split variants where a module between them needs the whole width (OLMo 2's q/k norms
+over the full projection, Phi-3's fused projections), and per-head norms replicated with their
+gradients summed over the group (Qwen3's and Gemma 3's q/k norms: each rank's gradient covers its own
+heads only; :func:`partial_grad_params`). hftk adds the vocabulary-parallel input embedding and LM head.
 
-The attention modules of all these families reshape with ``-1`` heads, so they run on the
-local heads by themselves; GPT-2 splits its fused projection at a width read from the module
+GPT-2's ``Conv1D`` layers (weight stored ``[in, out]``) defeat torch's colwise/rowwise styles, which
+shard ``nn.Linear``. hftk therefore converts GPT-2's four ``Conv1D`` per block into ``nn.Linear``
+from outside the model code, splitting the fused ``c_attn`` into three projections so q, k and v
+are each sharded by heads; the export turns them back into the original names and shapes
+(:func:`to_hf_state_dict`).
+
+The attention modules of the families transformers 5 ships reshape with ``-1`` heads, so they run on
+the local heads by themselves; GPT-2 splits its fused projection at a width read from the module
 (``split_size``), which :func:`apply_tensor_parallel` sets to the local width.
 """
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from hftk.config.family_table import FAMILIES
 from hftk.core.errors import HftkError
+from hftk.models.spec import check_strategy, meta_model, model_spec
 
-# hftk's plan for GPT-2 after :func:`gpt2_to_linear`, relative to the model root.
-GPT2_PLAN = {
-    "transformer.h.*.attn.c_attn.q": "colwise",
-    "transformer.h.*.attn.c_attn.k": "colwise",
-    "transformer.h.*.attn.c_attn.v": "colwise",
-    "transformer.h.*.attn.c_proj": "rowwise",
-    "transformer.h.*.mlp.c_fc": "colwise",
-    "transformer.h.*.mlp.c_proj": "rowwise",
-}
-STYLES = ("colwise", "rowwise", "embedding_rowwise")
-
-
-def supported() -> str:
-    return ", ".join(sorted(f for f, spec in FAMILIES.items() if spec.tp_plan))
+# Styles whose modules keep their weights whole on every rank with a partial gradient (summed over the group).
+PARTIAL_GRAD = "replicated_with_grad_allreduce"
+SPLIT_OUTPUT = ("colwise", "colwise_gather_output")  # weight (and bias) split by output rows
+SPLIT_INPUT = ("rowwise", "rowwise_split_input", "embedding_rowwise")  # weight split by input columns
 
 
 def block_plan(model_config: Any) -> dict[str, str]:
-    """Style per module pattern (relative to the model root) for the decoder blocks of this family."""
-    family = getattr(model_config, "model_type", None)
-    spec = FAMILIES.get(family)
-    if spec is not None and spec.tp_plan == "hftk":
-        if getattr(model_config, "add_cross_attention", False):
-            raise HftkError("model.model_name_or_path", "GPT-2 with cross-attention has no tensor-parallel plan in hftk.",
-                            "use a decoder-only GPT-2, or strategy fsdp.")
-        return dict(GPT2_PLAN)
-    if spec is None or spec.tp_plan != "transformers":
-        raise HftkError("model.model_name_or_path", f"architecture '{family}' has no tensor-parallel plan in hftk.",
-                        f"use a model of a family with a plan ({supported()}), or strategy fsdp / zero3.")
-    plan = {f"{spec.backbone}.{key}": style for key, style in (model_config.base_model_tp_plan or {}).items()}
-    unknown = sorted({s for s in plan.values() if s not in STYLES})
-    if not plan or unknown:
-        raise HftkError("model.model_name_or_path",
-                        f"the '{family}' config's tensor-parallel plan uses styles hftk does not apply: "
-                        f"{unknown or 'none'}.",
-                        f"use a model whose plan uses only {', '.join(STYLES)}, or strategy fsdp.")
-    return plan
+    """Style per module pattern (relative to the model root): the model's own plan; its refusal otherwise."""
+    check_strategy(model_spec(model_config), "tp")
+    if getattr(model_config, "add_cross_attention", False):
+        raise HftkError("model.model_name_or_path", "a decoder with cross-attention has no tensor-parallel plan in "
+                        "hftk.", "use a decoder-only model, or strategy fsdp.")
+    return dict(model_spec(model_config).tp_plan)
+
+
+def _styled(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, nn.Module, str]]:
+    """(name, module, style) of every module a plan pattern matches."""
+    found = []
+    for name, module in model.named_modules():
+        style = next((s for pattern, s in plan.items() if fnmatch(name, pattern)), None)
+        if style is not None:
+            found.append((name, module, style))
+    return found
 
 
 def check_divisible(model_config: Any, tp: int) -> None:
-    """Heads, key/value heads, hidden and MLP widths must split evenly over ``tp`` ranks."""
-    c = model_config
-    heads = c.num_attention_heads
-    hidden = c.hidden_size
-    inner = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
-    sizes = {"attention heads": heads, "hidden size": hidden, "MLP width": inner}
+    """Heads and key/value heads, and every width the plan splits, must split evenly over ``tp`` ranks."""
+    c = model_config.get_text_config()
+    heads = getattr(c, "num_attention_heads", None) or c.n_head
+    sizes = {"attention heads": heads}
     kv = getattr(c, "num_key_value_heads", None)
     if kv:
         sizes["key/value heads"] = kv
+    model = meta_model(model_config)
+    if model_config.model_type == "gpt2":
+        gpt2_to_linear(model)
+    for name, module, style in _styled(model, block_plan(model_config)):
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and style in SPLIT_OUTPUT:
+            sizes.setdefault(f"{leaf} output width", module.out_features)
+        elif isinstance(module, nn.Linear) and style in SPLIT_INPUT:
+            sizes.setdefault(f"{leaf} input width", module.in_features)
     for what, value in sizes.items():
         if value % tp:
             raise HftkError("strategy.tp_size", f"the model's {what} ({value}) do not split evenly over {tp} ranks.",
@@ -138,16 +138,28 @@ def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def to_parallel_styles(plan: dict[str, str]) -> dict[str, Any]:
-    """hftk/transformers style names -> torch ``ParallelStyle`` objects."""
+    """transformers' style names -> torch ``ParallelStyle`` objects (:data:`PARTIAL_GRAD` modules get none: their
+    weights stay plain, whole on every rank)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     make = {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     }
-    return {key: make[style]() for key, style in plan.items()}
+    return {key: make[style]() for key, style in plan.items() if style != PARTIAL_GRAD}
+
+
+def partial_grad_params(model: nn.Module, plan: dict[str, str]) -> list[str]:
+    """Names of the parameters of :data:`PARTIAL_GRAD` modules: replicated weights applied to this rank's heads
+    only, whose gradients must be summed over the tensor-parallel group (transformers'
+    ``ReplicatedWithGradAllReduce``)."""
+    partial = {pattern: style for pattern, style in plan.items() if style == PARTIAL_GRAD}
+    return [f"{name}.{leaf}" for name, module, _ in _styled(model, partial)
+            for leaf, _ in module.named_parameters(recurse=False)]
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
@@ -162,7 +174,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
     config = model.config
     plan = block_plan(config)
     tp = tp_mesh.size()
-    check_divisible(config, tp)
     if config.model_type == "gpt2":
         gpt2_to_linear(model)
         for block in model.transformer.h:
@@ -172,6 +183,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
     names = {module: name for name, module in model.named_modules()}
+    # the plan's patterns resolved to the modules that exist (a dense layer's MLP entries match no MoE layer)
+    plan = {name: style for name, _, style in _styled(model, plan)}
     plan.setdefault(names[embedding], "embedding_rowwise")
     styles = to_parallel_styles(plan)
     if head is not None:
@@ -194,25 +207,18 @@ def _reshard_grad(param: Any) -> None:
 def replicated_params(model_config: Any) -> int:
     """Parameters every tensor-parallel rank keeps whole (from the config; built on the meta device).
 
-    Everything outside the plan's modules (norms, GPT-2's position table) and the biases of
-    row-parallel layers; column-parallel layers, the input embedding and the LM head are split.
+    Everything outside the plan's split modules (norms, GPT-2's position table, per-head q/k norms) and the
+    biases of row-parallel layers; column-parallel layers, the input embedding and the LM head are split.
     """
-    from fnmatch import fnmatch
-
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+    model = meta_model(model_config)
     if model_config.model_type == "gpt2":
         gpt2_to_linear(model)
-    plan = block_plan(model_config)
     split = {id(model.get_input_embeddings().weight)}
     if model.get_output_embeddings() is not None:
         split.add(id(model.get_output_embeddings().weight))
-    for name, module in model.named_modules():
-        style = next((s for pattern, s in plan.items() if fnmatch(name, pattern)), None)
-        if style == "colwise":
+    for _, module, style in _styled(model, block_plan(model_config)):
+        if style in SPLIT_OUTPUT:
             split.update(id(p) for p in module.parameters(recurse=False))
-        elif style in ("rowwise", "embedding_rowwise"):
+        elif style in SPLIT_INPUT:
             split.add(id(module.weight))
     return sum(p.numel() for p in model.parameters() if id(p) not in split)

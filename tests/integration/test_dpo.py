@@ -1,5 +1,6 @@
-"""DPO through hftk equals a one-process TRL DPOTrainer: 2 gloo ranks under ddp (GPT-2, Llama, Qwen2, GPT-NeoX
-and Mistral made from configs), fsdp and ZeRO-1/2/3/3-offload (GPT-2), LoRA under ddp and ZeRO-2 and QLoRA (4-bit NF4) under ddp
+"""DPO through hftk equals a one-process TRL DPOTrainer: 2 gloo ranks under ddp (GPT-2, Llama, Qwen2, GPT-NeoX,
+Mistral, Qwen3 and Gemma 3 made from configs), fsdp and ZeRO-1/2/3/3-offload (GPT-2; ZeRO-3: Gemma 3 too), LoRA under ddp
+(GPT-2, Qwen3) and ZeRO-2 and QLoRA (4-bit NF4) under ddp
 give the same per-step loss, rewards/chosen, rewards/rejected and rewards/margins (fp32, 1e-5) and the same final
 weights (or adapter; QLoRA's, which TRL keeps in bf16, within one bf16 step); a short run on a learnable
 preference set lifts held-out rewards/accuracies above chance; conversational pairs (message lists through the
@@ -28,7 +29,8 @@ STEPS, BATCH = 4, 8
 # (strategy, family, adapter: False, True (LoRA) or "qlora") on 2 ranks, each against the one-process reference
 # of its family and adapter.
 CELLS = [("ddp", "gpt2", False), ("ddp", "llama", False), ("ddp", "qwen2", False), ("ddp", "gpt_neox", False),
-         ("ddp", "mistral", False), ("fsdp", "gpt2", False),
+         ("ddp", "mistral", False), ("ddp", "qwen3", False), ("ddp", "gemma3_text", False), ("zero3", "gemma3_text", False),
+         ("ddp", "qwen3", True), ("fsdp", "gpt2", False),
          ("zero1", "gpt2", False), ("zero2", "gpt2", False), ("zero3", "gpt2", False), ("zero3_offload", "gpt2", False),
          ("ddp", "gpt2", True), ("zero2", "gpt2", True), ("ddp", "gpt2", "qlora")]
 # ChatML as transformers' and TRL's docs write it: the reference's template, owing nothing to hftk's copy.
@@ -38,7 +40,7 @@ CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + 
 REFERENCE_OPTIONS = ("ddp", "fsdp", "zero3")  # ref_model_name_or_path under each; precompute_ref_log_probs
 PRECOMPUTED = ("ddp", "zero3")  # under these (fsdp refuses it by name: tests/unit/config/test_preference.py)
 RESUMED = ("ddp", "zero3")  # exact resume: the Trainer's checkpoint, and DeepSpeed's with the reference partitioned
-LORA = ["--lora_r", "8"]  # hftk's defaults otherwise: alpha 16, dropout 0, GPT-2's c_attn / c_proj / c_fc
+LORA = ["--lora_r", "8"]  # hftk's defaults otherwise: alpha 16, dropout 0, every linear layer of the blocks
 QLORA = [*LORA, "--load_in_4bit"]  # hftk's defaults otherwise: NF4, double quantization, fp32 compute
 # How each strategy holds the reference (checked by hftk before training): sharded wherever the policy is.
 WHOLE = "a whole copy on each rank"
@@ -105,8 +107,9 @@ def _reference(model_dir: Path, data: Path, out: Path, lora: bool | str, chat_te
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(7)  # lora_A's draw
+        conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())  # GPT-2's layers store (in, out)
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                                 target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True))
+                                                 target_modules="all-linear", fan_in_fan_out=conv1d))
     args = DPOConfig(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=1e-3,
                      lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, seed=7, report_to=[],
                      save_strategy="no", eval_strategy="no", use_cpu=True, beta=0.1, max_length=64,

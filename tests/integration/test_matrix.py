@@ -1,11 +1,20 @@
-"""Every strategy x every family hftk claims x {full, LoRA}: trains and saves a loadable ``final/``, or
-is refused before launch, exactly as ``hftk.config.support.expected`` says (the table the README renders).
+"""Every strategy x every family hftk claims x {full, LoRA}: trains with parity to a one-process reference and
+saves a loadable ``final/``, or is refused before launch, exactly as ``hftk.models.support_table.expected`` says
+(the table the README renders); and a 4-bit (QLoRA) base of every family trains under ddp.
 
-The models are made here from each family's default config (small sizes) with ``save_pretrained``,
-as a user's own folder would be, not hftk's built-ins. A refusal is found in-process by
-``hftk.run.prepare.prepare`` (validation, before any process group, as ``hftk train`` runs it). Every cell
-that passes validation runs for real on 2 gloo ranks for 2 optimizer steps, each ``scripts/finetune.py``
-on warm ranks of its own (tests/warm.py: forked from a process that has the imports done).
+The models are made here from each family's default config (small sizes, the quirks of
+``tests.helpers.FAMILY_QUIRKS``) with ``save_pretrained``, as a user's own folder would be, not hftk's built-ins.
+A refusal is found in-process by ``hftk.run.prepare.prepare`` (validation, before any process group, as
+``hftk train`` runs it). Every cell that passes validation runs for real on 2 gloo ranks for 3 optimizer steps,
+each ``scripts/finetune.py`` on warm ranks of its own (tests/warm.py: forked from a process that has the imports
+done), at a global batch of 2 rows (the Trainer's strategies: 1 per rank; the loop's: 2 on its one data-parallel
+replica).
+
+The reference of each family is tests/reference/plain.py's loop (no hftk, no Trainer) on one process at batch 2 with
+torch's AdamW, which every cell is given (``--optim adamw_torch``), and the Trainer's loss divisor (the predicted
+tokens for a ``...ForCausalLM`` class, every label otherwise; the mesh strategies, tp / cp / sp, always divide by
+the predicted tokens). Its LoRA runs are PEFT's own ``all-linear`` targets, which hftk's default targets must equal.
+Each cell's per-step losses and final weights (the adapter's, for LoRA) equal the reference's within 1e-5.
 """
 
 from __future__ import annotations
@@ -17,25 +26,33 @@ from typing import Any
 
 import pytest
 
-from hftk.config.family_table import FAMILIES
-from hftk.config.support import STRATEGIES, Refusal, expected
-from tests.helpers import FINETUNE, TWO_RANKS, losses, make_family, torchrun
+from hftk.config.strategy_table import STRATEGIES as TABLE
+from hftk.config.support import STRATEGIES, Refusal
+from hftk.models.support_table import MATRIX_FAMILIES, expected, family_name
+from tests.helpers import FINETUNE, TWO_RANKS, losses, make_family, plain_reference, torchrun
 
 # The first ZeRO-3 offload cell builds DeepSpeed's cpu_adam op once per machine (minutes, cached after).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-COMMON = ["--model_dropout", "0", "--block_size", "32", "--max_train_samples", "200", "--max_steps", "2",
-          "--per_device_train_batch_size", "2", "--lr_scheduler_type", "constant", "--learning_rate", "1e-3",
-          "--warmup_steps", "0", "--logging_steps", "1", "--eval_fraction", "0", "--eval_strategy", "no",
-          "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--seed", "7"]
+STEPS = 3
+BLOCK = 32
+COMMON = ["--model_dropout", "0", "--block_size", str(BLOCK), "--max_train_samples", "200", "--max_steps", str(STEPS),
+          "--lr_scheduler_type", "constant", "--learning_rate", "1e-3", "--warmup_steps", "0", "--optim",
+          "adamw_torch", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no", "--report_to",
+          "none", "--disable_tqdm", "true", "--seed", "7"]
 STRATEGY_ARGS = {"pipeline": ["--pp_size", "2", "--pp_microbatches", "2"], "tp": ["--tp_size", "2"],
                  "cp": ["--cp_size", "2"], "sp": ["--sp_size", "2"]}
-LORA = ["--lora_r", "4"]
+MESH = ("tp", "cp", "sp")  # their loss: the mean over predicted tokens, whatever the model class
+LORA = ["--lora_r", "4", "--lora_dropout", "0"]
+QLORA = ["--load_in_4bit", *LORA]
+TOLERANCE = 1e-5
 
 
-def cell_argv(strategy: str, model: Path, lora: bool, out: Path) -> list[str]:
-    return ["--model_name_or_path", str(model), "--strategy", strategy, *COMMON, *STRATEGY_ARGS.get(strategy, []),
-            *(LORA if lora else []), "--output_dir", str(out)]
+def cell_argv(strategy: str, model: Path, variant: str, out: Path) -> list[str]:
+    per_rank = "1" if TABLE[strategy].engine == "trainer" else "2"  # a global batch of 2 either way
+    extra = {"full": [], "lora": LORA, "qlora": QLORA}[variant]
+    return ["--model_name_or_path", str(model), "--strategy", strategy, *COMMON, "--per_device_train_batch_size",
+            per_rank, *STRATEGY_ARGS.get(strategy, []), *extra, "--output_dir", str(out)]
 
 
 def refusal(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Refusal | None:
@@ -53,6 +70,24 @@ def refusal(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Refusal | None:
     return None
 
 
+def divisor(model: Path, strategy: str) -> str:
+    """What the reference divides the summed loss by: the Trainer's rule, or the mesh loop's."""
+    import json
+
+    architecture = json.loads((model / "config.json").read_text())["architectures"][0]
+    return "targets" if strategy in MESH or architecture.endswith("ForCausalLM") else "labels"
+
+
+def reference_name(family: str, lora: bool, loss_divisor: str) -> str:
+    return f"ref-{family}-{'lora' if lora else 'full'}-{loss_divisor}"
+
+
+def weights(final: Path, lora: bool) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(final / ("adapter_model.safetensors" if lora else "model.safetensors")))
+
+
 def check_final(final: Path, model: Path, lora: bool) -> None:
     """``final/`` loads back: the full model with from_pretrained, the adapter with PEFT onto its base."""
     from peft import PeftModel
@@ -67,62 +102,97 @@ def check_final(final: Path, model: Path, lora: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> dict[tuple[str, str, bool], Any]:
-    """Every cell's outcome: ``"trains"`` (ran, finite losses, ``final/`` loaded back) or its Refusal."""
+def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+           ) -> tuple[dict[tuple[str, str, str], Any], dict[str, Path]]:
+    """Every cell's outcome: ``"trains"`` (ran, losses and final weights equal to its reference, ``final/`` loaded
+    back; QLoRA: finite losses) or its Refusal; and the model folder of each family."""
     root = tmp_path_factory.mktemp("matrix")
     start = time.perf_counter()
-    models = {family: make_family(family, root / "models" / family) for family in FAMILIES}
-    outcomes: dict[tuple[str, str, bool], Any] = {}
-    cells = []
+    models = {family: make_family(family, root / "models" / family) for family in MATRIX_FAMILIES}
+    outcomes: dict[tuple[str, str, str], Any] = {}
+    cells, references = [], {}
     with pytest.MonkeyPatch.context() as monkeypatch:
         for strategy in STRATEGIES:
             for family, model in models.items():
-                for lora in (False, True):
-                    out = root / "runs" / f"{strategy}-{family}-{'lora' if lora else 'full'}"
-                    argv = cell_argv(strategy, model, lora, out)
+                for variant in ("full", "lora", "qlora"):
+                    if variant == "qlora" and strategy != "ddp":
+                        continue
+                    out = root / "runs" / f"{strategy}-{family}-{variant}"
+                    argv = cell_argv(strategy, model, variant, out)
                     refused = refusal(argv, monkeypatch)
                     if refused is not None:
-                        outcomes[(strategy, family, lora)] = refused
-                    else:
-                        cells.append({"name": out.name, "argv": argv, "key": (strategy, family, lora), "out": out})
-    launched = time.perf_counter()
+                        outcomes[(strategy, family, variant)] = refused
+                        continue
+                    ref = None
+                    if variant != "qlora":
+                        ref = reference_name(family, variant == "lora", divisor(model, strategy))
+                        references[ref] = (model, variant == "lora", divisor(model, strategy))
+                    cells.append({"name": out.name, "argv": argv, "key": (strategy, family, variant), "out": out,
+                                  "ref": ref})
+    began = time.perf_counter()
+    for name, (model, lora, loss_divisor) in references.items():
+        plain_reference("loop", root / name, ["--max_steps", str(STEPS), "--batch_size", "2", "--block_size",
+                                              str(BLOCK), "--max_train_samples", "200", "--optim", "adamw_torch",
+                                              "--loss_divisor", loss_divisor, *(["--lora_r", "4"] if lora else [])],
+                        model=model)
+    referenced = time.perf_counter() - began
+    began = time.perf_counter()
     for cell in cells:
         result = torchrun(2, FINETUNE, cell["argv"], timeout=900)
         assert result.returncode == 0, f"matrix cell {cell['name']} failed:\n{result.output[-8000:]}"
-    launched = time.perf_counter() - launched
+    launched = time.perf_counter() - began
     for cell in cells:
-        logged = losses(cell["out"])
-        assert len(logged) == 2 and all(math.isfinite(v) for v in logged.values()), (cell["name"], logged)
-        check_final(cell["out"] / "final", models[cell["key"][1]], cell["key"][2])
+        strategy, family, variant = cell["key"]
+        got = losses(cell["out"])
+        assert len(got) == STEPS and all(math.isfinite(v) for v in got.values()), (cell["name"], got)
+        if cell["ref"] is not None:
+            want = losses(root / cell["ref"])
+            assert got == pytest.approx(want, abs=TOLERANCE), (cell["name"], got, want)
+            lora = variant == "lora"
+            mine, theirs = weights(cell["out"] / "final", lora), weights(root / cell["ref"] / "final", lora)
+            assert mine.keys() == theirs.keys(), (cell["name"], sorted(set(mine) ^ set(theirs))[:4])
+            worst = max(float((mine[k].float() - theirs[k].float()).abs().max()) for k in mine)
+            assert worst < TOLERANCE, (cell["name"], worst)
+        check_final(cell["out"] / "final", models[family], variant != "full")
         outcomes[cell["key"]] = "trains"
-    summary = (f"\nmatrix: {len(cells)} cells trained (2 warm ranks each, {launched:.0f} s), "
-               f"{len(outcomes) - len(cells)} refused before launch; {time.perf_counter() - start:.0f} s in all"
-               f"\n{render_outcomes(outcomes)}")
+    summary = (f"\nmatrix: {len(references)} one-process references ({referenced:.0f} s), {len(cells)} cells trained "
+               f"(2 warm ranks each, {launched:.0f} s), {len(outcomes) - len(cells)} refused before launch; "
+               f"{time.perf_counter() - start:.0f} s in all\n{render_outcomes(outcomes)}")
     capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled():  # shown in the test output, as capsys.disabled() does
         print(summary, flush=True)
-    return outcomes
+    return outcomes, models
 
 
-def render_outcomes(outcomes: dict[tuple[str, str, bool], Any]) -> str:
-    def cell(key: tuple[str, str, bool]) -> str:
-        got = outcomes[key]
-        return got if got == "trains" else f"refused ({got.field})"
+def render_outcomes(outcomes: dict[tuple[str, str, str], Any]) -> str:
+    def cell(key: tuple[str, str, str]) -> str:
+        got = outcomes.get(key, "-")
+        return got if isinstance(got, str) else f"refused ({got.field})"
 
-    lines = [f"{'strategy':<14} | " + " | ".join(f"{FAMILIES[f].name + ' full / LoRA':<48}" for f in FAMILIES)]
+    lines = [f"{'strategy':<14} | " + " | ".join(f"{family_name(f) + ' full / LoRA':<40}" for f in MATRIX_FAMILIES)]
     for s in STRATEGIES:
-        lines.append(f"{s:<14} | " + " | ".join(f"{cell((s, f, False)) + ' / ' + cell((s, f, True)):<48}"
-                                                for f in FAMILIES))
+        lines.append(f"{s:<14} | " + " | ".join(f"{cell((s, f, 'full')) + ' / ' + cell((s, f, 'lora')):<40}"
+                                                for f in MATRIX_FAMILIES))
     return "\n".join(lines)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_every_cell_trains_or_is_refused_as_the_support_table_says(matrix, strategy):
-    for family in FAMILIES:
-        for lora in (False, True):
-            want = expected(strategy, family, lora)
-            got = matrix[(strategy, family, lora)]
+def test_every_cell_trains_with_parity_or_is_refused_as_the_support_table_says(matrix, strategy):
+    from transformers import AutoConfig
+
+    outcomes, models = matrix
+    for family in MATRIX_FAMILIES:
+        config = AutoConfig.from_pretrained(models[family])
+        for variant in ("full", "lora"):
+            got = outcomes[(strategy, family, variant)]
+            want = expected(strategy, config, variant == "lora", BLOCK)
             if want is None:
-                assert got == "trains", (strategy, family, lora, got)
+                assert got == "trains", (strategy, family, variant, got)
             else:
-                assert isinstance(got, Refusal) and got.field == want.field, (strategy, family, lora, got)
+                assert isinstance(got, Refusal) and got.field == want.field, (strategy, family, variant, got)
+                assert got.problem == want.problem, (strategy, family, variant, got)
+
+
+def test_a_4bit_base_of_every_family_trains_under_ddp(matrix):
+    outcomes, _ = matrix
+    assert all(outcomes[("ddp", family, "qlora")] == "trains" for family in MATRIX_FAMILIES)

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hftk.models.support_table import MATRIX_FAMILIES
 from hftk.plan.types import MAX_REUSE_DISTANCE
 from tests.helpers import finetune_cells, make_family, metrics, preference_pairs
 
@@ -52,7 +53,7 @@ RUNS = {"ddp": ["--report_to", "tensorboard"], "lora": [*LORA, "--report_to", "w
         "pipeline": PIPELINE, "lora_pipeline": [*PIPELINE, *LORA],
         "sp": ["--strategy", "sp", "--sp_size", "2", "--model_name_or_path", "builtin:llama-tiny",
                "--learning_rate", "1e-2"]}
-FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2")  # ddp on each claimed family beside the built-in GPT-2's runs
+FAMILIES = tuple(f for f in MATRIX_FAMILIES if f != "gpt2")  # ddp on each claimed family beside the built-in GPT-2's runs
 UNEVEN = ["zero3", "fsdp"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 

@@ -51,12 +51,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--weight_decay", type=float, default=0.0)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--optim", choices=("adamw_torch", "adamw_torch_fused"), default="adamw_torch_fused",
-                   help="loop: torch's AdamW, foreach or fused (the Trainer's default on torch >= 2.8)")
+                   help="torch's AdamW, foreach or fused (the Trainer's default on torch >= 2.8)")
     p.add_argument("--loss_divisor", choices=("targets", "labels"), default="targets",
                    help="loop (training and held-out loss): divide the summed loss by the predicted tokens (the "
                         "mean, block - 1 per row) or by every label, as the Trainer counts num_items_in_batch for a "
                         "model without a ForCausalLM loss_type (GPT-2)")
     p.add_argument("--eval", action="store_true", help="also the held-out loss of the final weights")
+    p.add_argument("--micro_batches", type=int, default=1, help="loop: each batch in this many contiguous "
+                   "micro-batches, one backward each (the cross-entropy over the whole batch's tokens; a mixture of "
+                   "experts' balancing loss weighted by its config's coefficient over this number)")
+    p.add_argument("--experts_implementation", default=None, help="a mixture of experts' transformers "
+                   "experts_implementation (eager, batched_mm, grouped_mm)")
+    p.add_argument("--lora_r", type=int, default=0, help="train a LoRA adapter of this rank on PEFT's own "
+                   "'all-linear' targets (alpha 16, no dropout), lora_A drawn right after torch.manual_seed(seed), "
+                   "the convention hftk documents for every rank and a one-process run")
     return p.parse_args(argv)
 
 
@@ -93,7 +101,16 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
     for field in DROPOUT_FIELDS:  # deterministic: both sides train without dropout
         if hasattr(config, field):
             setattr(config, field, 0.0)
-    model = AutoModelForCausalLM.from_pretrained(args.model, config=config, dtype=torch.float32)
+    extra = {"experts_implementation": args.experts_implementation} if args.experts_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(args.model, config=config, dtype=torch.float32, **extra)
+    if args.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())  # GPT-2 stores (in, out)
+        torch.manual_seed(args.seed)
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=16, lora_dropout=0.0, bias="none",
+                                                 target_modules="all-linear", fan_in_fan_out=conv1d,
+                                                 task_type="CAUSAL_LM"))
     return model, AutoTokenizer.from_pretrained(args.model)
 
 
@@ -104,7 +121,8 @@ def run_trainer(args: argparse.Namespace, model: Any, train: Any, held_out: Any)
         output_dir=str(Path(args.out) / "trainer"), use_cpu=True, seed=args.seed, max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
         learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no",
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, optim=args.optim, logging_steps=1,
+        save_strategy="no",
         eval_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=held_out,
                       data_collator=default_data_collator)
@@ -132,15 +150,24 @@ def run_loop(args: argparse.Namespace, model: Any, train: Any, held_out: Any) ->
                               num_training_steps=args.max_steps)
     per_epoch = len(train) // args.batch_size
     out: dict[str, Any] = {"losses": {}, "grad_norms": {}, "learning_rates": {}}
+    moe = {}
+    if hasattr(model, "router_aux_loss_coef"):  # a mixture of experts: its balancing loss, mean over micro-batches
+        moe = {"output_router_logits": True}
+        model.router_aux_loss_coef = model.config.router_aux_loss_coef / args.micro_batches
     for step in range(1, args.max_steps + 1):
         epoch, i = divmod(step - 1, per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed + epoch))
         rows = train[order[i * args.batch_size:(i + 1) * args.batch_size]]
         batch = {k: rows[k] for k in ("input_ids", "labels", "attention_mask")}
-        if args.loss_divisor == "labels":  # the Trainer's num_items_in_batch for a model without loss_type
-            batch["num_items_in_batch"] = batch["labels"].ne(-100).sum()
-        loss = model(**batch).loss
-        loss.backward()
+        # the Trainer's num_items_in_batch: every label for a model without loss_type, else the predicted tokens
+        labels = batch["labels"] if args.loss_divisor == "labels" else batch["labels"][:, 1:]
+        count = labels.ne(-100).sum()
+        loss = torch.zeros(())
+        for chunk in range(args.micro_batches):  # contiguous micro-batches, each one backward
+            part = {k: v.chunk(args.micro_batches)[chunk] for k, v in batch.items()}
+            part_loss = model(**part, num_items_in_batch=count, **moe).loss
+            part_loss.backward()
+            loss = loss + part_loss.detach()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         out["learning_rates"][step] = scheduler.get_last_lr()[0]
         optimizer.step()

@@ -136,10 +136,10 @@ def test_an_upward_import_is_caught(tmp_path):
 
 
 def test_the_tables_everything_reads_are_leaves():
-    """The model-family and strategy tables, the parallel dimensions, the plan types, the agent store and the
-    error type import nothing beside the error type."""
+    """The strategy table, the parallel dimensions, the plan types, the agent store and the error type import
+    nothing beside the error type."""
     graph = import_graph()
-    assert graph["hftk.config.family_table"] == graph["hftk.core.agent_store"] == set()
+    assert graph["hftk.core.agent_store"] == set()
     assert graph["hftk.models.activations"] == set()
     assert graph["hftk.core.errors"] == {"hftk.core.agent_store"}
     assert graph["hftk.plan.types"] == {"hftk.models.activations"}

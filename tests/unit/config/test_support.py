@@ -1,6 +1,6 @@
-"""The support table (hftk/config/support.py): the README shows exactly what it renders, and the validators
-refuse exactly what it says (tests/integration/test_matrix.py runs every cell it says trains); packing ``auto``
-resolves by data format and strategy, and a packing a strategy cannot honour is refused before launch."""
+"""The strategy rules (hftk/config/support.py): the validators refuse exactly what they say (the README's table:
+tests/unit/models/test_support_table.py); packing ``auto`` resolves by data format and strategy, and a packing a
+strategy cannot honour is refused before launch."""
 
 from __future__ import annotations
 
@@ -8,70 +8,17 @@ import pytest
 
 from hftk.config import support
 from hftk.core.errors import HftkError
-from tests.helpers import ROOT
-
-
-def test_readme_support_table_is_the_rendered_one():
-    readme = (ROOT / "README.md").read_text()
-    assert support.with_table(readme) == readme, "regenerate it: python -m hftk.config.support README.md"
-    assert "| sp | refused [13] |" in readme  # the rendering itself, read by eye once
-
-
-def test_every_strategy_and_family_has_a_row_and_a_column():
-    from hftk.config.family_table import FAMILIES
-    from hftk.config.strategy_table import STRATEGIES
-
-    table = support.render_markdown()
-    assert [line.split(" | ")[0][2:] for line in table.splitlines()[2:2 + len(STRATEGIES)]] == list(STRATEGIES)
-    assert table.splitlines()[0].count("|") == len(FAMILIES) + 5  # + the quantized-base, DPO and GRPO columns
-
-
-def test_dpo_column_says_what_check_method_does():
-    rows = support.render_markdown().splitlines()[2:2 + len(support.STRATEGIES)]
-    for strategy, row in zip(support.STRATEGIES, rows, strict=True):
-        dpo = row.split(" | ")[-2]
-        if strategy in support.DPO_REFUSED:
-            assert dpo.startswith("refused ["), row
-        elif strategy in support.DPO_LORA_REFUSED:
-            assert dpo.startswith("full; LoRA refused ["), row
-        elif strategy in support.QUANT_REFUSED:
-            assert dpo == "full, LoRA", row
-        else:  # QLoRA where a quantized base trains and DPO's LoRA does (tests/integration/test_dpo.py: ddp)
-            assert dpo == "full, LoRA, QLoRA", row
-
-
-def test_grpo_column_says_what_check_method_does():
-    rows = support.render_markdown().splitlines()[2:2 + len(support.STRATEGIES)]
-    for strategy, row in zip(support.STRATEGIES, rows, strict=True):
-        grpo = row.split(" | ")[-1].removesuffix(" |")
-        if strategy in support.GRPO_REFUSED:
-            assert grpo.startswith("refused ["), row
-            with pytest.raises(HftkError, match=f"grpo is not supported with strategy {strategy}"):
-                support.check_method(strategy, "grpo")
-        else:  # full and LoRA train (tests/integration/test_grpo.py); a quantized base is refused by name
-            assert grpo == "full, LoRA", row
-            support.check_method(strategy, "grpo", 8)
-            with pytest.raises(HftkError, match="not supported with --method grpo") as err:
-                support.check_method(strategy, "grpo", 8, quantized_field="model.load_in_4bit")
-            assert err.value.field == "model.load_in_4bit"
 
 
 @pytest.mark.parametrize("strategy", support.STRATEGIES)
 def test_lora_refusal_comes_from_the_table(strategy):
-    if support.expected(strategy, "llama", True) is None:
+    if strategy not in support.LORA_REFUSED:
         support.check_lora(strategy, 8)  # no refusal
         return
     with pytest.raises(HftkError) as err:
         support.check_lora(strategy, 8)
     assert err.value.field == "model.lora_r" and strategy in err.value.problem
     support.check_lora(strategy, 0)  # full fine-tuning is not refused
-
-
-def test_family_refusal_names_the_supported_families():
-    with pytest.raises(HftkError, match="llama, mistral, qwen2"):
-        support.check_family("sp", "gpt2")
-    support.check_family("sp", "qwen2")
-    support.check_family("ddp", "gpt2")
 
 
 @pytest.mark.parametrize("strategy", support.STRATEGIES)

@@ -14,6 +14,7 @@ from hftk.config.options import DataConfig, ModelConfig
 from hftk.data.chat import IGNORE_INDEX
 from hftk.data.dataset import check_raw, collator, eval_line, load_raw, rows, tokenize_and_pack, tokenize_sources
 from hftk.models.loading import load_tokenizer
+from hftk.models.support_table import MATRIX_FAMILIES
 from hftk.run.prepare import prepare
 
 TINY = ["--model_name_or_path", "builtin:gpt2-tiny", "--block_size", "256", "--eval_fraction", "0"]
@@ -404,7 +405,7 @@ def test_local_file_formats(tmp_path, suffix, write):
 # dynamic padding (``none``) gives the block-padded loss. The same checks through the pipeline stages and the
 # mesh step's batch: tests/unit/strategies/test_pipeline.py, test_mesh.py.
 
-FAMILIES = ("gpt2", "llama", "qwen2", "gpt_neox", "mistral")
+FAMILIES = MATRIX_FAMILIES
 
 
 LENGTHS = (5, 31, 12, 3, 20, 9, 17, 2, 26, 8)  # whole examples, block 32: several share a block

@@ -12,7 +12,8 @@ import functools
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, Olmo2Config,
+                          Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config)
 
 from hftk.models.activations import trace_key
 from hftk.plan.estimate import GIB, PlanInputs, model_shape, pick, plan
@@ -28,6 +29,15 @@ CONFIGS = {
     "llama": lambda: LlamaConfig(**SMALL, intermediate_size=344, num_key_value_heads=2),
     "qwen2": lambda: Qwen2Config(**SMALL, intermediate_size=344, num_key_value_heads=2),
     "gpt_neox": lambda: GPTNeoXConfig(**SMALL, intermediate_size=512),
+    # head_dim unlike hidden / heads (Qwen3, Gemma 3), q/k norms, sliding layers shorter than the sequence beside full
+    # ones (Gemma 3: SDPA then gets a mask), fused projections (Phi-3), NoPE layers (SmolLM3)
+    "qwen3": lambda: Qwen3Config(**SMALL, intermediate_size=344, num_key_value_heads=2, head_dim=48),
+    "gemma3_text": lambda: Gemma3TextConfig(**SMALL, intermediate_size=344, num_key_value_heads=2, head_dim=48,
+                                            sliding_window=256, layer_types=["sliding_attention", "full_attention"]),
+    "phi3": lambda: Phi3Config(**SMALL, intermediate_size=344, num_key_value_heads=2, pad_token_id=0),
+    "olmo2": lambda: Olmo2Config(**SMALL, intermediate_size=344, num_key_value_heads=2, pad_token_id=0),
+    "smollm3": lambda: SmolLM3Config(**SMALL, intermediate_size=344, num_key_value_heads=2, pad_token_id=0,
+                                     no_rope_layers=[1, 0]),
 }
 
 
@@ -63,9 +73,12 @@ def test_traced_activations_equal_what_a_real_forward_keeps(family, attention):
     real = real_saved_bytes(model, attention)
     trace = shape_of(family).saved[trace_key(False, attention)]
     # 5%: the trace runs one sequence and scales by the batch, so a batch-independent tensor (GPT-2's
-    # eager causal mask) counts once per sequence: +3% at 1024 tokens, on the safe side
-    assert BATCH * trace.total.at(SEQ) == pytest.approx(real, rel=0.05), (family, attention)
-    assert BATCH * trace.total.at(SEQ) >= real * 0.995
+    # eager causal mask) counts once per sequence: +3% at 1024 tokens, on the safe side. Gemma 3's sliding
+    # layers get a mask, which SDPA on the CPU keeps as fp32 (4 bytes per element, not the bool the trace counts,
+    # as on a GPU): -7% here
+    cpu_mask = family == "gemma3_text" and attention == "sdpa"
+    assert BATCH * trace.total.at(SEQ) == pytest.approx(real, rel=0.08 if cpu_mask else 0.05), (family, attention)
+    assert cpu_mask or BATCH * trace.total.at(SEQ) >= real * 0.995
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -150,7 +163,7 @@ def test_a_block_input_autograd_drops_is_counted_however_addresses_are_reused():
             return hidden.exp()  # saves its output: the one storage kept outside the blocks
 
     model = Toy().to("meta")
-    total, checkpointed, _ = _trace(model, Block, 16, "eager")
+    total, checkpointed, _ = _trace(model, list(model.blocks), 16, "eager")
     ids, sequence = 16 * 8, 16 * 4 * 4  # the embedding keeps the ids; one (1, 16, 4) fp32 activation
     assert total == ids + sequence  # and exp's output
     assert checkpointed == ids + 65 * sequence  # plus 64 distinct block inputs

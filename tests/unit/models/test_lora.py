@@ -7,27 +7,28 @@ import pytest
 import torch
 
 from hftk.core.errors import HftkError
+from hftk.models.support_table import MATRIX_FAMILIES
 from tests.helpers import TINY_ARGS
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "llama", "mistral", "qwen2"])
-def test_default_targets_wrap_every_projection_of_the_family(model_type):
-    from peft import get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+@pytest.mark.parametrize("model_type", MATRIX_FAMILIES)
+def test_default_targets_wrap_what_peft_all_linear_wraps(model_type):
+    """The default targets (the spec's, by name) adapt exactly the modules PEFT's own ``all-linear`` picks: every
+    linear projection of every block, attention and MLP, the LM head left out."""
+    from peft import LoraConfig, get_peft_model
 
     from hftk.config.options import ModelConfig
-    from hftk.models.lora import check_targets, lora_config
+    from hftk.models.lora import check_targets, lora_config, uses_conv1d
+    from tests.unit.models.test_layout import tiny
 
-    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, n_embd=32, intermediate_size=64,
-                                  num_hidden_layers=2, n_layer=2, num_attention_heads=4, n_head=4,
-                                  num_key_value_heads=2)
     cfg = ModelConfig(lora_r=4)
-    check_targets(cfg, config)
-    with torch.device("meta"):
-        model = get_peft_model(AutoModelForCausalLM.from_config(config), lora_config(cfg, model_type))
-    wrapped = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
-    assert wrapped == set(lora_config(cfg, model_type).target_modules)
-    per_block = sum(1 for n, m in model.named_modules() if hasattr(m, "lora_A") and ".0." in n)
+    model = tiny(model_type)
+    check_targets(cfg, model.config)
+    ours = get_peft_model(tiny(model_type), lora_config(cfg, model.config, conv1d=uses_conv1d(model)))
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", fan_in_fan_out=uses_conv1d(model)))
+    adapted = [{n for n, m in m_.named_modules() if hasattr(m, "lora_A")} for m_ in (ours, peft)]
+    assert adapted[0] == adapted[1]
+    per_block = sum(1 for n in adapted[0] if ".0." in n)
     assert per_block >= 4  # attention and MLP both adapted
 
 
@@ -111,7 +112,8 @@ def test_added_chat_tokens_train_with_the_adapter_and_reload_and_merge_as_traine
     model = load_model(cfg)
     new = fit_to_tokenizer(model, tokenizer, seed=0)
     torch.manual_seed(0)
-    peft = get_peft_model(model, lora.lora_config(cfg, family, lora.trainable_tokens(model, new)))
+    peft = get_peft_model(model, lora.lora_config(cfg, model.config, lora.trainable_tokens(model, new),
+                                                  lora.uses_conv1d(model)))
     trainable = {n for n, p in peft.named_parameters() if p.requires_grad}
     deltas = {n.split(".token_adapter")[0].rsplit(".", 1)[-1] for n in trainable if "trainable_tokens_delta" in n}
     assert deltas == ({"wte"} if family == "gpt2" else {"embed_tokens", "lm_head"})

@@ -39,7 +39,8 @@ def test_lora_trains_only_the_adapters(tiny_shape):
 
     lora = model_shape(builtin_model_config("builtin:gpt2-tiny"), lora_r=4)
     real = get_peft_model(AutoModelForCausalLM.from_pretrained(materialize_model("builtin:gpt2-tiny")),
-                          lora_config(ModelConfig(lora_r=4), "gpt2"))  # the adapters a run adds
+                          lora_config(ModelConfig(lora_r=4), builtin_model_config("builtin:gpt2-tiny"),
+                                      conv1d=True))  # the adapters a run adds
     assert lora.trainable == sum(p.numel() for p in real.parameters() if p.requires_grad) > 0
     assert lora.params == tiny_shape.params + lora.trainable
     inputs = PlanInputs(world_size=2, device_memory_bytes=GIB, device="cpu")
@@ -183,7 +184,7 @@ def test_plan_counts_the_quantized_base_as_loaded(model, bits, double_quant):
                                                 device_map={"": "cpu"})
     options = ModelConfig(lora_r=8, load_in_4bit=bits == 4, load_in_8bit=bits == 8)
     peft = get_peft_model(prepare_model_for_kbit_training(base, use_gradient_checkpointing=False),
-                          lora_config(options, base.config.model_type))
+                          lora_config(options, base.config))
     counted = model_state_bytes(peft)["params"]
     inputs = PlanInputs(world_size=1, device_memory_bytes=2**30, device="cpu", quant_bits=bits,
                         double_quant=double_quant)
@@ -350,3 +351,30 @@ def test_grpo_plans_prompt_plus_completion_and_holds_a_reference_only_with_beta(
     inputs = inputs_from_config(_cfg("--method", "grpo", "--block_size", "32", "--max_completion_length", "48",
                                      "--gradient_accumulation_steps", "2", *argv), 2, GIB)
     assert (inputs.seq_len, inputs.rollout_tokens, inputs.rollout_rows, inputs.reference) == (80, 80, 2 * 2, held)
+
+
+@pytest.mark.parametrize("family,refused", [("qwen3", ()), ("gemma3_text", ("cp2", "sp2")), ("phi3", ()),
+                                            ("olmo2", ()), ("smollm3", ())])
+def test_hftk_plan_gives_every_family_every_row_and_a_reason_where_it_cannot_run(family, refused, tmp_path, capsys):
+    """A folder holding only a config.json of the family, 8B-wide (8 of its layers: the plan reads their shapes),
+    asking "which strategy fits my model on 8 GPUs?": every data-parallel row, the tp / cp / sp rows asked for, and
+    where the family cannot run a layout (Gemma 3's 4096-token sliding window against 8192-token sequences under
+    cp and sp) a row saying why."""
+    from transformers import AutoConfig
+
+    from hftk.plan.estimate import plan_command
+
+    AutoConfig.for_model(family, hidden_size=4096, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=12288, vocab_size=151936, max_position_embeddings=32768).save_pretrained(tmp_path)
+    assert plan_command(["--model", str(tmp_path), "--world_size", "8", "--device_memory", "80", "--seq_len", "8192",
+                         "--gradient_checkpointing", "--mixed_precision", "bf16", "--tp_size", "2", "--cp_size", "2",
+                         "--sp_size", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in lines[3:] if line.strip() and not line.startswith("pick")}
+    assert {"ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload", "tp2", "cp2", "sp2"} <= set(rows)
+    for label, line in rows.items():
+        if label in refused:
+            assert "refused: " in line and "sliding_attention layers (window" in line, line
+        else:
+            assert "refused" not in line and line.rstrip().endswith(("yes", "no")), line
+    assert any(line.startswith("pick: ") for line in lines)

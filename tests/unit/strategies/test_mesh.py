@@ -62,7 +62,6 @@ ERRORS = [
     ("sp_world", 3, [*LLAMA, "--strategy", "sp", "--sp_size", "2"], "strategy.sp_size", "world size"),
     ("sp_eager", 2, [*LLAMA, "--strategy", "sp", "--sp_size", "2", "--attn_implementation", "eager"],
      "model.attn_implementation", "sdpa"),
-    ("sp_family", 2, [*GPT2, "--strategy", "sp", "--sp_size", "2"], "model.model_name_or_path", "'gpt2'"),
     ("sp_block", 2, [*LLAMA, "--strategy", "sp", "--sp_size", "2", "--block_size", "63"], "data.block_size", "63"),
 ]
 
