@@ -15,7 +15,7 @@
 # On a machine without a GPU it says so and exits 1.
 #
 # Python: $PYTHON, else .venv/bin/python, else python3. Packages missing there can be carried as
-# wheels in .whl/ (README "GPU check"); they are installed into a private folder, never over torch.
+# wheels in .whl/ (docs/guides/gpus.md, "The GPU check"); they are installed into a private folder, never over torch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-gpu_check_out}}

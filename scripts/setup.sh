@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with hftk, its dependencies and the test tools. Idempotent: reruns take seconds.
+# Create .venv with hftk, its dependencies, the test tools and the site builder. Idempotent: reruns take seconds.
 # torch is the same version everywhere (TORCH_VERSION, inside pyproject.toml's range): its CPU
 # build (+cpu) where nvidia-smi lists no GPU -- never a multi-GB CUDA wheel there -- and the
 # default (CUDA) build where it lists one; then torch must see that GPU. An existing .venv goes
@@ -39,6 +39,6 @@ print(f"setup: torch {torch.__version__} (CUDA {torch.version.cuda}) sees {torch
       f"{torch.cuda.get_device_name(0)}")
 PY
 fi
-pip_install -e ".[dev]"
+pip_install -e ".[dev,docs]"  # docs: the suite builds the site (tests/integration/test_docs.py)
 .venv/bin/python -c "import hftk, torch, transformers, deepspeed" >/dev/null \
   || { echo "setup failed: hftk or a dependency does not import" >&2; exit 1; }

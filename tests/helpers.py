@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,18 +87,20 @@ def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: 
 
 
 def torchrun(nproc: int, script: Path | str, args: list[str], timeout: float = 300, nnodes: int = 1,
-             env: dict[str, str] | None = None, extra: list[str] | None = None, real: bool = False) -> Launch:
+             env: dict[str, str] | None = None, extra: list[str] | None = None, real: bool = False,
+             cwd: Path | None = None) -> Launch:
     """``script`` on ``nproc`` ranks as ``torchrun --nproc_per_node nproc`` starts them (nproc == 1: one plain
-    process, as ``python script``), on warm ranks (tests/warm.py). ``real`` (a test of what the launcher
-    itself does), a multi-node launch or launcher options (``extra``, other than ``["-m"]``: ``script`` is a
-    module) go through the real ``python -m torch.distributed.run`` on loopback."""
+    process, as ``python script``), on warm ranks (tests/warm.py), in ``cwd`` (default the repository root).
+    ``real`` (a test of what the launcher itself does), a multi-node launch or launcher options (``extra``,
+    other than ``["-m"]``: ``script`` is a module) go through the real ``python -m torch.distributed.run`` on
+    loopback."""
     require_ranks(nproc * nnodes)
     if nnodes == 1 and extra in (None, [], ["-m"]) and not real:  # ["-m"]: ``script`` names a module
         program = [*(extra or []), str(script)]
-        output_dir = _new_output_dir(args)
+        output_dir = _new_output_dir(args, cwd or ROOT)
 
         def launch() -> Launch:
-            return Launch(*warm.launch(program, args, nproc, timeout, env, launcher=nproc > 1))
+            return Launch(*warm.launch(program, args, nproc, timeout, env, cwd, launcher=nproc > 1))
 
         result = launch()
         crashed = _crashed_ranks(result, nproc)
@@ -105,18 +109,19 @@ def torchrun(nproc: int, script: Path | str, args: list[str], timeout: float = 3
             shutil.rmtree(output_dir, ignore_errors=True)
             result = launch()
         return result
-    return run(torchrun_command(nproc, *(extra or []), str(script), *args, nnodes=nnodes), timeout, env)
+    return run(torchrun_command(nproc, *(extra or []), str(script), *args, nnodes=nnodes), timeout, env, cwd)
 
 
 CRASH_SIGNALS = {-signal.SIGSEGV: "SIGSEGV", -signal.SIGBUS: "SIGBUS"}
 
 
-def _new_output_dir(args: list[str]) -> Path | None:
-    """The cell's ``--output_dir`` when it does not exist yet: a cell that made it from nothing can be run
-    again from nothing. None for a cell without one or one that resumes what is there."""
+def _new_output_dir(args: list[str], cwd: Path) -> Path | None:
+    """The cell's ``--output_dir`` (relative to ``cwd``, where it runs) when it does not exist yet: a cell that
+    made it from nothing can be run again from nothing. None for a cell without one or one that resumes what is
+    there."""
     if "--output_dir" not in args:
         return None
-    path = Path(str(args[args.index("--output_dir") + 1]))
+    path = cwd / str(args[args.index("--output_dir") + 1])
     return None if path.exists() else path
 
 
@@ -132,11 +137,13 @@ def rank_exit_codes(result: Launch) -> dict[int, int]:
     return {int(k): int(v) for k, v in json.loads(found.group(1)).items()} if found else {}
 
 
-def python(program: list[str], timeout: float = 300, env: dict[str, str] | None = None) -> Launch:
+def python(program: list[str], timeout: float = 300, env: dict[str, str] | None = None,
+           cwd: Path | None = None) -> Launch:
     """``python SCRIPT ARGS`` or ``python -m MODULE ARGS`` (``program`` without the interpreter) in one warm
-    process (tests/warm.py): what the command does, without its seconds of imports."""
+    process (tests/warm.py), in ``cwd``: what the command does, without its seconds of imports."""
     target, args = (program[:2], program[2:]) if program[0] == "-m" else (program[:1], program[1:])
-    return Launch(*warm.launch([str(t) for t in target], [str(a) for a in args], 1, timeout, env, launcher=False))
+    return Launch(*warm.launch([str(t) for t in target], [str(a) for a in args], 1, timeout, env, cwd,
+                               launcher=False))
 
 
 def finetune(nproc: int, args: list[str], timeout: float = 300, env: dict[str, str] | None = None) -> Launch:
@@ -393,3 +400,82 @@ def preference_pairs(path: Path, rows: int, seed: int) -> Path:
             f.write(json.dumps({"prompt": f"Repeat {word}:", "chosen": f" {word} {word}",
                                 "rejected": f" {other} {other}"}) + "\n")
     return path
+
+
+# ---- the documentation's command blocks, run as written ----
+
+DOC_PAGES = (ROOT / "README.md", ROOT / "docs")
+MARKED_BLOCK = re.compile(r"^<!-- test: ([\w-]+) -->\n```\w*\n(.*?)\n```$", re.M | re.S)
+
+
+def doc_blocks() -> dict[str, list[tuple[str, str]]]:
+    """Every command block the README and the site's pages mark with ``<!-- test: NAME -->`` on the line before
+    its fence: name -> [(page, the block's text), ...] (a name marks every copy of one block)."""
+    pages = [DOC_PAGES[0], *sorted(DOC_PAGES[1].rglob("*.md"))]
+    found: dict[str, list[tuple[str, str]]] = {}
+    for page in pages:
+        for name, text in MARKED_BLOCK.findall(page.read_text()):
+            found.setdefault(name, []).append((str(page.relative_to(ROOT)), text))
+    return found
+
+
+def doc_block(name: str) -> str:
+    """The text of the block marked ``name`` (tests/unit/test_readme.py checks that its copies agree)."""
+    return doc_blocks()[name][0][1]
+
+
+def shell_commands(block: str) -> list[tuple[list[str], str | None]]:
+    """A block's commands as the shell reads them: lines ending in a backslash joined, comments dropped, and a
+    ``<<'TAG'`` here-document made the command's standard input. Returns (argv, stdin) per command."""
+    lines, commands, i = block.splitlines(), [], 0
+    while i < len(lines):
+        line, i = lines[i], i + 1
+        while line.endswith("\\"):
+            line, i = line[:-1] + lines[i], i + 1
+        stdin = None
+        heredoc = re.search(r"<<'(\w+)'", line)
+        if heredoc:
+            end = lines.index(heredoc.group(1), i)
+            stdin, i, line = "\n".join(lines[i:end]) + "\n", end + 1, line[:heredoc.start()]
+        if argv := shlex.split(line, comments=True):
+            commands.append((argv, stdin))
+    return commands
+
+
+def doc_project(root: Path) -> Path:
+    """A folder to run documented commands in, as from the repository root: ``scripts``, ``accelerate_configs``,
+    ``examples`` and ``.venv`` are the repository's (links); what a command writes (``outputs/``, data files) stays
+    here."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("scripts", "accelerate_configs", "examples", ".venv"):
+        (root / name).symlink_to(ROOT / name)
+    return root
+
+
+def run_doc_command(argv: list[str], stdin: str | None, cwd: Path, timeout: float = 600) -> Launch:
+    """One documented command, as written, from ``cwd`` (see :func:`doc_project`). The launches run on warm
+    ranks: ``torchrun --nproc_per_node N SCRIPT ...`` as it starts them, ``accelerate launch ... SCRIPT ...`` with
+    the ranks and the environment accelerate's own launcher derives from its arguments and config file;
+    ``hftk ...`` runs in one warm process; ``python -`` with its here-document as a plain interpreter."""
+    if argv[0] == "torchrun" and argv[1] == "--nproc_per_node":
+        return torchrun(int(argv[2]), argv[3], argv[4:], timeout=timeout, cwd=cwd)
+    if argv[:2] == ["accelerate", "launch"]:
+        from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+        from accelerate.utils.launch import prepare_multi_gpu_env
+
+        given = list(argv[2:])
+        if "--config_file" in given:  # the config file as the launch in ``cwd`` reads it
+            at = given.index("--config_file") + 1
+            given[at] = str(cwd / given[at])
+        args, _, _ = _validate_launch_command(launch_command_parser().parse_args(given))
+        assert args.multi_gpu and not (args.use_deepspeed or args.use_fsdp), f"no warm launch for {argv}"
+        env = {k: v for k, v in prepare_multi_gpu_env(args).items() if os.environ.get(k) != v}
+        return torchrun(args.num_processes, args.training_script, args.training_script_args, timeout=timeout,
+                        env=env, cwd=cwd)
+    if argv[0] == "hftk":
+        return python(["-m", "hftk.cli", *argv[1:]], timeout=timeout, cwd=cwd)
+    if argv == ["python", "-"]:
+        done = subprocess.run([sys.executable, "-"], input=stdin, capture_output=True, text=True, cwd=cwd,
+                              timeout=timeout)
+        return Launch(done.returncode, done.stdout, done.stderr)
+    raise AssertionError(f"no runner for the documented command {argv}: add one to tests.helpers.run_doc_command")

@@ -21,7 +21,7 @@ worker has its own servers).
 Programs that start ranks themselves (``hftk bench``) use :mod:`tests.warm_torchrun`, torchrun's command line
 on this server.
 
-Launch behaviour itself (the README's commands, ``accelerate launch`` guards, elastic restarts,
+Launch behaviour itself (the README's first command, ``accelerate launch`` guards, elastic restarts,
 SIGKILL / SIGTERM, multi-node, SLURM) keeps the real launchers; everything else runs here.
 """
 

@@ -84,7 +84,8 @@ def default_out(name: str) -> Path:
     return Path("outputs") / "bench" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def parse_single(name: str, argv: list[str]) -> tuple[Path, dict[str, Any]]:
+def single_parser(name: str) -> argparse.ArgumentParser:
+    """``hftk bench NAME``'s options, read from ``run_<name>_bench``'s signature."""
     fn = bench_function(name)
     parser = _parser(name, (fn.__doc__ or "").strip(), "NAME")
     helps = {**COMMON_HELP, **getattr(sys.modules[fn.__module__], "OPTION_HELP", {})}
@@ -92,7 +93,11 @@ def parse_single(name: str, argv: list[str]) -> tuple[Path, dict[str, Any]]:
         flag = {"nargs": "?", "const": True} if str(param.annotation).startswith("bool") else {}  # bare --flag: true
         parser.add_argument(f"--{key}", type=converter(param), default=param.default, **flag,
                             help=helps.get(key, key) + ("" if param.default is None else f" (default: {param.default})"))
-    kwargs = vars(_parse(parser, argv))
+    return parser
+
+
+def parse_single(name: str, argv: list[str]) -> tuple[Path, dict[str, Any]]:
+    kwargs = vars(_parse(single_parser(name), argv))
     return kwargs.pop("out") or default_out(name), kwargs
 
 
@@ -116,7 +121,8 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     return ns
 
 
-def parse_all(argv: list[str]) -> tuple[Path, dict[str, dict[str, Any]]]:
+def all_parser() -> argparse.ArgumentParser:
+    """``hftk bench all``'s options."""
     parser = _parser("all", "Run every bench into one report folder.", "all")
     parser.add_argument("--only", type=lambda s: s.split(","), default=list(BENCHES),
                         help=f"Comma-separated subset of {','.join(BENCHES)}.")
@@ -124,7 +130,16 @@ def parse_all(argv: list[str]) -> tuple[Path, dict[str, dict[str, Any]]]:
         parser.add_argument(f"--{key}", type=_literal, default=None, help="Applied to every bench that takes it.")
     parser.add_argument("--set", action="append", default=[], metavar="NAME.OPTION=VALUE",
                         help="One bench's option, e.g. --set scaling.repeats=5 (repeatable).")
-    ns = _parse(parser, argv)
+    return parser
+
+
+def build_parsers() -> list[argparse.ArgumentParser]:
+    """Every ``hftk bench`` parser, ``all`` first (the documentation's command reference renders them)."""
+    return [all_parser(), *(single_parser(name) for name in available())]
+
+
+def parse_all(argv: list[str]) -> tuple[Path, dict[str, dict[str, Any]]]:
+    ns = _parse(all_parser(), argv)
     if unknown := [b for b in ns.only if b not in BENCHES]:
         raise HftkError("--only", f"unknown bench '{unknown[0]}'.", f"use names from {', '.join(BENCHES)}.")
     shared = {k: getattr(ns, k) for k in SHARED if getattr(ns, k) is not None}

@@ -1,14 +1,11 @@
-"""What hftk supports: every strategy x model family x {full fine-tuning, LoRA}, plus a quantized
-(QLoRA) base, preference tuning (DPO, full, LoRA and QLoRA) and online RL (GRPO, full and LoRA) per strategy, in
-one table.
+"""What hftk supports per strategy: full fine-tuning or LoRA, a quantized (QLoRA) base, packing modes, preference
+tuning (DPO, full, LoRA and QLoRA) and online RL (GRPO, full and LoRA), each refusal with its reason.
 
 What each strategy allows is a flag in the strategy table (:data:`hftk.config.strategy_table.STRATEGIES`); this
 module says why each refusal is one and raises it. The strategies' validators take their LoRA refusals
-from here (:func:`check_lora`), the packing modes each strategy honours (:func:`check_packing`); the README's
-support table is rendered from it (``python -m hftk.config.support README.md`` rewrites it;
-tests/unit/config/test_support.py keeps the README equal), and tests/integration/test_matrix.py runs every cell on
-2 ranks and asserts each one trains and saves a loadable ``final/`` or is refused before launch exactly as
-:func:`expected` says (the DPO and GRPO columns: tests/integration/test_dpo.py and test_grpo.py, against one-process TRL).
+from here (:func:`check_lora`), the packing modes each strategy honours (:func:`check_packing`). What a model's
+own structure allows is :mod:`hftk.models.spec`'s; the README's support table joins both
+(:mod:`hftk.models.support_table`).
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 With its defaults glibc raises its mmap threshold each time a large block is freed (up to 32 MiB)
 and keeps freed heap resident: after a few steps a rank's RSS holds every transient buffer it ever
 had (gathered FSDP blocks, gradient buckets, logits), and sharding saves nothing on CPU (measured
-in the README's CPU memory section). ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``
+in docs/benchmarks.md, "CPU memory"). ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``
 fixes that, but glibc reads those variables only when a process starts; ``mallopt`` sets the same
 two parameters in a running process (and, like the variables, turns the dynamic threshold off).
 :func:`hftk.run.prepare.prepare` calls :func:`return_freed_memory` before any model exists, so every
 engine, bench and test worker runs with it. A setting the user gave through the environment
 (the variable or ``GLIBC_TUNABLES``) wins; on another C library nothing is changed. The price is
-kernel time: freed pages fault in again on their next use (README: +40-65% CPU per step on CPU).
+kernel time: freed pages fault in again on their next use (docs/benchmarks.md: +40-65% CPU per step on CPU).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 The libraries under hftk each print their own notices: DeepSpeed's accelerator guess (every rank, every
 import), its "op built successfully" note and torch's deprecation warnings for the collectives ZeRO calls, transformers'
+deprecation warning for the ``is_gradient_checkpointing`` alias TRL's trainers read (every rank), its
 weight-loading and shard-writing bars and three advisory warnings about choices hftk made on purpose,
 ``datasets``' map bars, the ``[INFO] Running in WANDB offline mode`` line every rank prints at import,
 wandb's run history tables, libkineto's profiler markers. :func:`quiet_libraries` turns each off at its

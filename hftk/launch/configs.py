@@ -17,6 +17,7 @@ becomes DDP on CPU), so it takes accelerate's FSDP switch out of the environment
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import dataclass
@@ -238,10 +239,8 @@ def adopt_launcher_strategy(cfg: Any, environ: MutableMapping[str, str] = os.env
     return source
 
 
-def configs_command(argv: list[str]) -> int:
-    """``hftk configs``: (re)write the launch configs."""
-    import argparse
-
+def build_parser() -> argparse.ArgumentParser:
+    """``hftk configs``' options (also rendered on the documentation's command reference)."""
     parser = argparse.ArgumentParser(prog="hftk configs", description="Write accelerate launch configs (YAML) and "
                                      "DeepSpeed configs (JSON) for every strategy from hftk's typed config.")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder to write (default: %(default)s)")
@@ -249,7 +248,12 @@ def configs_command(argv: list[str]) -> int:
     parser.add_argument("--procs_per_node", type=int, default=2, help="processes (GPUs) per machine")
     parser.add_argument("--main_process_ip", default=None, help="node 0's address (needed for --nodes > 1)")
     parser.add_argument("--main_process_port", type=int, default=29500, help="rendezvous port on node 0")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def configs_command(argv: list[str]) -> int:
+    """``hftk configs``: (re)write the launch configs."""
+    args = build_parser().parse_args(argv)
     topology = Topology(args.nodes, args.procs_per_node, args.main_process_ip, args.main_process_port)
     for path in write_configs(args.out, topology):
         print(path)

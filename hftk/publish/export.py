@@ -93,8 +93,8 @@ def export(checkpoint: Path, out: Path, merge: bool = False, base_model: str | N
     return write_atomically(out, write)
 
 
-def main(argv: list[str]) -> int:
-    """``hftk export CHECKPOINT OUT [--merge [--base_model B]]``."""
+def build_parser() -> argparse.ArgumentParser:
+    """``hftk export``'s options (also rendered on the documentation's command reference)."""
     parser = argparse.ArgumentParser(
         prog="hftk export",
         description="Turn a checkpoint of any strategy (" + ", ".join(k.name for k in KINDS)
@@ -107,7 +107,12 @@ def main(argv: list[str]) -> int:
                         help="LoRA: merge the adapter into the base model (merge_and_unload) and write the full model")
     parser.add_argument("--base_model", default=None,
                         help="LoRA with --merge: the base model's Hub id or folder (default: adapter_config.json's)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """``hftk export CHECKPOINT OUT [--merge [--base_model B]]``."""
+    args = build_parser().parse_args(argv)
     if args.base_model and not args.merge:
         raise HftkError("--base_model", "only matters with --merge.", "add --merge, or drop --base_model.")
     kind = export(args.checkpoint, args.out, merge=args.merge, base_model=args.base_model)

@@ -171,8 +171,8 @@ def _typed_lines() -> Iterable[str]:
         yield line
 
 
-def main(argv: list[str]) -> int:
-    """``hftk generate CHECKPOINT (--prompt TEXT | --prompts FILE | --chat) [GenerationConfig options]``."""
+def build_parser() -> argparse.ArgumentParser:
+    """``hftk generate``'s options (also rendered on the documentation's command reference)."""
     parser = argparse.ArgumentParser(
         prog="hftk generate",
         description="Generate from any checkpoint hftk writes (final, checkpoint-N of any strategy, LoRA / QLoRA "
@@ -189,7 +189,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do_sample)")
     parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (with --do_sample)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """``hftk generate CHECKPOINT (--prompt TEXT | --prompts FILE | --chat) [GenerationConfig options]``."""
+    args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
         raise HftkError("--max_new_tokens", f"must be at least 1, got {args.max_new_tokens}.", "pass 1 or more.")
     if args.system is not None and not args.chat:

@@ -267,10 +267,8 @@ def run_pusher(prepared: Any, trainer: Any, metrics_path: Path) -> RunPusher | N
     return RunPusher(prepared.cfg, trainer.args, prepared.world_size, prepared.data_format, metrics_path)
 
 
-def push_command(argv: list[str]) -> int:
-    """``hftk push FOLDER REPO_ID``: a final folder or any checkpoint (consolidated first when sharded)."""
-    from hftk.checkpoint.atomic import CHECKPOINT_RE  # not at the top: importing hub must not import torch
-
+def build_parser() -> argparse.ArgumentParser:
+    """``hftk push``'s options (also rendered on the documentation's command reference)."""
     parser = argparse.ArgumentParser(prog="hftk push", description="Push a trained model (final folder or "
                                      "checkpoint) to the Hub with a generated model card. The token comes from "
                                      "HF_TOKEN or `hf auth login`.")
@@ -279,7 +277,14 @@ def push_command(argv: list[str]) -> int:
     parser.add_argument("--public", action="store_true", help="create the repository public (default: private)")
     parser.add_argument("--retries", type=int, default=5, help="attempts before giving up")
     parser.add_argument("--retry_backoff_s", type=float, default=2.0, help="first wait between attempts (doubles)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def push_command(argv: list[str]) -> int:
+    """``hftk push FOLDER REPO_ID``: a final folder or any checkpoint (consolidated first when sharded)."""
+    from hftk.checkpoint.atomic import CHECKPOINT_RE  # not at the top: importing hub must not import torch
+
+    args = build_parser().parse_args(argv)
     check_can_push("repo_id")
     folder: Path = args.folder
     if not folder.is_dir():

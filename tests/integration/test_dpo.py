@@ -3,8 +3,8 @@ Mistral, Qwen3 and Gemma 3 made from configs), fsdp and ZeRO-1/2/3/3-offload (GP
 (GPT-2, Qwen3) and ZeRO-2 and QLoRA (4-bit NF4) under ddp
 give the same per-step loss, rewards/chosen, rewards/rejected and rewards/margins (fp32, 1e-5) and the same final
 weights (or adapter; QLoRA's, which TRL keeps in bf16, within one bf16 step); a short run on a learnable
-preference set lifts held-out rewards/accuracies above chance; conversational pairs (message lists through the
-run's chat template) equal TRL given that template; a run resumed from checkpoint-3 (ddp, ZeRO-3)
+preference set (the README's DPO recipe, run as written) lifts held-out rewards/accuracies above chance;
+conversational pairs (message lists through the run's chat template) equal TRL given that template; a run resumed from checkpoint-3 (ddp, ZeRO-3)
 continues exactly; two weighted preference files mix; --push_to_hub sends final/ and a card that says DPO; a
 named reference model of other weights (ddp, fsdp, ZeRO-3) and precomputed reference log-probs (ddp, ZeRO-3)
 equal TRL. The cells run on shared warm ranks
@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import TINY_ARGS, finetune_cells, load_weights, make_family, max_weight_diff, metrics, preference_pairs
+from tests.helpers import (TINY_ARGS, doc_block, doc_project, finetune_cells, load_weights, make_family, max_weight_diff,
+                           metrics, preference_pairs, run_doc_command, shell_commands)
 
 # fp32 on both sides: DPOConfig's bf16 defaults to on (CPU autocast), under which one process alone differs by
 # ~2e-4 between a batch of 8 and 2 accumulated batches of 4; in fp32 those agree within 1.2e-7 (weights, 4 steps).
@@ -162,10 +163,6 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     mixed.write_text(f"data:\n  datasets:\n    - path: {data}\n      weight: 2\n    - path: {second}\n")
     cells["mixed"] = [*[a for a in common if a not in ("--dataset", str(data))], "--config", str(mixed),
                       "--model_name_or_path", str(models["gpt2"]), "--output_dir", str(root / "mixed")]
-    learn = preference_pairs(root / "learn.jsonl", 400, 1)
-    cells["learn"] = ["--method", "dpo", "--dataset", str(learn), "--per_device_train_batch_size", "8",
-                      "--max_steps", "60", "--eval_fraction", "0.2", "--eval_strategy", "steps", "--eval_steps", "60",
-                      "--output_dir", str(root / "learn")]
     options = {}
     for strategy in RESUMED:  # 6 steps saving at 3, then a new folder holding only checkpoint-3 resumed
         args = [*common, "--strategy", strategy, "--model_name_or_path", str(models["gpt2"]), "--max_steps", "6",
@@ -184,7 +181,13 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     cells["truncated"] = [*ddp_gpt2[:-2], "--max_length", "10", "--truncation", "truncate",
                           "--output_dir", str(root / "truncated")]
     outputs = finetune_cells(2, cells, root, timeout=900, options=options)
-    return {"root": root, "data": data, "conversations": conversations, "other": other, "outputs": outputs, **models}
+    learn = doc_project(root / "recipe")  # the README's DPO recipe, as written: its pairs, then 60 steps
+    for argv, stdin in shell_commands(doc_block("dpo-recipe")):
+        result = run_doc_command(argv, stdin, learn, timeout=900)
+        assert result.returncode == 0, f"{argv[:2]} failed ({result.returncode}):\n{result.output[-6000:]}"
+    outputs["learn"] = result.output
+    return {"root": root, "data": data, "conversations": conversations, "other": other, "outputs": outputs,
+            "learn": learn / "outputs" / "dpo", **models}
 
 
 @pytest.fixture(scope="module")
@@ -326,16 +329,17 @@ def test_precomputed_reference_log_probs_train_as_the_live_reference(runs, refer
 
 
 def test_held_out_preference_accuracy_rises_above_chance(runs) -> None:
-    evals = [row for row in metrics(runs["root"] / "learn") if "eval_rewards/accuracies" in row]
+    """The README's DPO recipe: held-out rewards/accuracies >= 0.8 after its 60 steps, said on its last line."""
+    evals = [row for row in metrics(runs["learn"]) if "eval_rewards/accuracies" in row]
     assert evals and evals[-1]["eval_rewards/accuracies"] >= 0.8, evals
-    assert not any("eval_perplexity" in row for row in metrics(runs["root"] / "learn"))  # not of a pairwise loss
+    assert not any("eval_perplexity" in row for row in metrics(runs["learn"]))  # not of a pairwise loss
     accuracy = evals[-1]["eval_rewards/accuracies"]
     assert re.search(rf"^hftk: done: step 60 in \d+ s, eval DPO loss [\d.]+, preference accuracy {accuracy:.3f}; ",
                      runs["outputs"]["learn"], re.M), runs["outputs"]["learn"][-2000:]
 
 
 def test_run_record_and_model_card_say_dpo(runs) -> None:
-    final = runs["root"] / "learn" / "final"
+    final = runs["learn"] / "final"
     hyper = json.loads((final / "hftk_run.json").read_text())["hyperparameters"]
     assert (hyper["method"], hyper["beta"], hyper["loss_type"]) == ("dpo", 0.1, "sigmoid")
     assert "- method: **DPO** (Direct Preference Optimization, TRL's DPOTrainer), beta 0.1, loss sigmoid" in \

@@ -9,19 +9,19 @@ climbs under ddp, fsdp and zero3; a run resumed from its checkpoint-10 continues
 rank's generator is restored); a SIGTERM on one rank during the rollouts stops every rank at the next token, saves
 and exits 75; a reward function that returns too few rewards on one rank stops both ranks with one line;
 completions.jsonl, the tensorboard text and the wandb table hold each logging step's rollouts; the README's GRPO
-example runs as written. The cells run on shared warm ranks (``finetune_cells``); the references in this process."""
+recipe runs as written. The cells run on shared warm ranks (``finetune_cells``); the references in this process."""
 
 from __future__ import annotations
 
 import json
 import re
-import shlex
 from pathlib import Path
 
 import pytest
 
 from tests import grpo_rollouts
-from tests.helpers import FINETUNE, ROOT, TINY_ARGS, finetune_cells, load_weights, max_weight_diff, metrics, torchrun
+from tests.helpers import (FINETUNE, ROOT, TINY_ARGS, doc_block, doc_project, finetune_cells, load_weights,
+                           max_weight_diff, metrics, run_doc_command, shell_commands, torchrun)
 
 pytestmark = pytest.mark.timeout(1800)
 TOL = 1e-5
@@ -249,24 +249,16 @@ def test_a_reward_that_fails_on_one_rank_stops_both_with_one_line(runs, tmp_path
     assert "Traceback" not in result.output
 
 
-def readme_grpo_command() -> list[str]:
-    """The README's GRPO example (the bash block that runs ``--method grpo``), as argv."""
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    block = next(b for b in blocks if "--method grpo" in b)
-    return shlex.split(block.replace("\\\n", " "))
-
-
-def test_the_readme_grpo_example_runs_as_written(tmp_path) -> None:
-    """The README's command (its output folder aside) on 2 warm ranks, from the repository root where its paths
-    point: the arithmetic reward climbs and the last line says the final mean reward."""
-    argv = readme_grpo_command()
-    assert argv[:3] == ["torchrun", "--nproc_per_node", "2"] and argv[3] == "scripts/finetune.py"
-    args = argv[4:]
-    args[args.index("--output_dir") + 1] = str(tmp_path / "grpo")
-    result = torchrun(2, ROOT / argv[3], args, timeout=600)
+def test_the_readme_grpo_recipe_runs_as_written(tmp_path) -> None:
+    """The README's GRPO recipe, as written, from a folder of its own (tests.helpers.doc_project): the arithmetic
+    reward climbs and the last line says the final mean reward."""
+    project = doc_project(tmp_path / "recipe")
+    [(argv, stdin)] = shell_commands(doc_block("grpo-recipe"))
+    result = run_doc_command(argv, stdin, project)
     assert result.returncode == 0, result.output[-5000:]
-    rewards = [row["reward"] for _, row in sorted(_rewards(tmp_path / "grpo").items())]
+    out = project / "outputs" / "grpo"
+    rewards = [row["reward"] for _, row in sorted(_rewards(out).items())]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert re.search(rf"^hftk: done: step 30 in \d+ s, final mean reward {rewards[-1]:.4f} \(step 30\)",
                      result.stderr, re.M), result.stderr[-2000:]
-    assert (tmp_path / "grpo" / "completions.jsonl").is_file()
+    assert (out / "completions.jsonl").is_file()

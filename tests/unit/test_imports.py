@@ -11,7 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "hftk"
 
 # hftk's packages, bottom first: each may import its own modules and those of the packages before it. The
 # package root (``hftk``: the version) is below them all; ``hftk.cli`` (the command, which dispatches by name)
-# above them all.
+# above them all, and ``hftk.reference`` (the documentation's reference, rendered from the command table) above it.
+TOP = ("hftk.cli", "hftk.reference")
 LAYERS = ("core", "config", "comm", "telemetry", "data", "checkpoint", "models", "plan", "strategies", "launch",
           "publish", "engine", "run", "bench")
 
@@ -89,11 +90,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def layer(module: str) -> int:
-    """Where ``module`` sits in :data:`LAYERS` (the root below all, ``hftk.cli`` above all)."""
+    """Where ``module`` sits in :data:`LAYERS` (the root below all, then :data:`TOP` above all)."""
     if module == "hftk":
         return -1
-    if module == "hftk.cli":
-        return len(LAYERS)
+    if module in TOP:
+        return len(LAYERS) + TOP.index(module)
     return LAYERS.index(module.split(".")[1])
 
 
@@ -117,7 +118,7 @@ def test_hftk_has_no_import_cycle():
 
 def test_every_package_is_a_layer_and_hftk_has_no_loose_module():
     packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
-    loose = {path.stem for path in ROOT.glob("*.py")} - {"__init__", "cli"}
+    loose = {f"hftk.{path.stem}" for path in ROOT.glob("*.py")} - {"hftk.__init__", *TOP}
     assert packages == set(LAYERS) and not loose, (packages ^ set(LAYERS), loose)
 
 
