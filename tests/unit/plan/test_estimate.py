@@ -378,3 +378,18 @@ def test_hftk_plan_gives_every_family_every_row_and_a_reason_where_it_cannot_run
         else:
             assert "refused" not in line and line.rstrip().endswith(("yes", "no")), line
     assert any(line.startswith("pick: ") for line in lines)
+
+
+def test_plan_command_counts_grpo_rollouts_and_refuses_a_completion_past_the_context(capsys):
+    from hftk.core.errors import HftkError
+    from hftk.plan.estimate import plan_command
+
+    base = ["--model", "builtin:gpt2-90m", "--world_size", "2", "--device_memory", "8", "--method", "grpo",
+            "--seq_len", "128", "--micro_batch", "4", "--gradient_accumulation_steps", "2"]
+    assert plan_command([*base, "--max_completion_length", "256", "--beta", "0.04", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["inputs"]["rollout_rows"], out["inputs"]["rollout_tokens"], out["inputs"]["reference"]) == (8, 384, True)
+    assert all(p["generation"] > 0 and p["reference"] > 0 for p in out["plans"] if p["refused"] is None)
+    with pytest.raises(HftkError, match="1152 tokens \\(with --max_completion_length\\) exceed the model's context "
+                                        "length 1024"):
+        plan_command([*base, "--seq_len", "640", "--max_completion_length", "512"])
