@@ -112,9 +112,10 @@ step llama1b_bf16 "$PY" -m torch.distributed.run --nproc_per_node 1 --standalone
   --logging_steps 10 --learning_rate 1e-4 --lr_scheduler_type constant --warmup_steps 0 --model_dropout 0 \
   --eval_strategy no --save_strategy no --report_to none --disable_tqdm true --seed 7 --output_dir "$WORK/llama1b_bf16"
 
-# Families beyond Llama: a ~0.2B Qwen3 (q/k norms) and Gemma 3 (sliding / full layers, scaled embedding, tied
-# head) from their own config classes, bf16 under ddp on this GPU (fsdp on 2 ranks where 2 GPUs are lent).
-for family in qwen3 gemma3_text; do
+# Families beyond Llama: a ~0.2B Qwen3 (q/k norms), Gemma 3 (sliding / full layers, scaled embedding, tied
+# head) and Qwen3-MoE (8 experts, top-2, grouped_mm, the balancing loss and router metrics) from their own config
+# classes, bf16 under ddp on this GPU (fsdp on 2 ranks where 2 GPUs are lent).
+for family in qwen3 gemma3_text qwen3_moe; do
   step "model_$family" "$PY" scripts/gpu_check_model.py "$WORK/$family" --family "$family"
   train "${family}_bf16" --model_name_or_path "$WORK/$family" --strategy ddp --bf16 --block_size 1024
   RUNS+=("${family}_bf16")

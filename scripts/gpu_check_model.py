@@ -2,8 +2,9 @@
 
 The throughput run's ~1B-parameter Llama (Llama-3.2-1B-like: hidden 2048, 16 layers, 32 heads, 8 K/V heads,
 MLP 8192, vocabulary 32000; 1.1B parameters); with ``--family`` a ~0.2B model of another family from its own
-config class (Qwen3, Gemma 3: hidden 1024, 8 layers, 16 heads of 64, 8 K/V heads, MLP 3072, their default
-quirks kept: Gemma 3's sliding / full layers and scaled embedding, Qwen3's q/k norms). Random weights, saved
+config class (Qwen3, Gemma 3, Qwen3-MoE: hidden 1024, 8 layers, 16 heads of 64, 8 K/V heads, MLP 3072, their
+default quirks kept: Gemma 3's sliding / full layers and scaled embedding, Qwen3's q/k norms, Qwen3-MoE's 8 experts
+of MLP 768, top-2). Random weights, saved
 in bf16 with hftk's built-in tokenizer (:func:`hftk.data.builtin.tokenizer_for_corpus`, 2048 tokens: ids stay
 inside the model's vocabulary; the embedding and LM head still cost their full 32000 rows, as in a real run).
 ``--tiny`` writes the same architecture at test size through the same code.
@@ -40,6 +41,8 @@ def make_model_folder(folder: Path, shape: str, family: str = "llama") -> Any:
     tokenizer.model_max_length = 4096
     eos = tokenizer.convert_tokens_to_ids(EOS)
     extra = {"rope_theta": 500000.0, "tie_word_embeddings": False} if family == "llama" else {}
+    if family == "qwen3_moe":  # 8 experts of a quarter of the dense MLP's width, top-2
+        extra = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": SHAPES[shape]["intermediate_size"] // 4}
     config = AutoConfig.for_model(family, **SHAPES[shape], max_position_embeddings=4096, bos_token_id=eos,
                                   eos_token_id=eos, pad_token_id=eos, dtype="bfloat16", **extra)
     torch.manual_seed(0)

@@ -98,22 +98,39 @@ def read_dcp_model(folder: Path) -> dict[str, torch.Tensor]:
     return {key.removeprefix("model."): tensor for key, tensor in state.items()}
 
 
-def shapes_of(model: torch.nn.Module) -> Shapes:
-    """Per parameter: every name it goes by (tied weights have several) and its full shape.
+def shapes_of(model: torch.nn.Module, original_format: bool = True) -> Shapes:
+    """Per tensor ``save_pretrained`` writes: every name it may go by and its full shape.
 
-    ZeRO-3 partitioned parameters report their full shape in ``ds_shape``. The names include
-    the one ``save_pretrained`` writes when transformers renames a weight back to its original
-    checkpoint name (GPT-NeoX's ``lm_head.weight`` is saved as ``embed_out.weight``).
+    ``original_format`` (``save_pretrained``'s ``save_original_format``, its default): the tensors as
+    transformers writes them, by its own revert of the conversions it applies at load
+    (``revert_weight_conversion``): renamed keys (GPT-NeoX's ``lm_head.weight`` as ``embed_out.weight``)
+    and fused experts split back per expert (Qwen3-MoE's ``mlp.experts.gate_up_proj [E, 2I, H]`` as
+    ``mlp.experts.{e}.gate_proj.weight [I, H]`` and ``up_proj``), reverted for the whole model at once
+    as ``save_pretrained`` does (a many-to-one conversion needs every piece). Otherwise the live names
+    and shapes. A tied weight is saved once, under any of its names. ZeRO-3 partitioned parameters
+    report their full shape in ``ds_shape``.
     """
     from transformers.modeling_utils import revert_weight_conversion
 
     groups: dict[int, tuple[list[str], tuple[int, ...]]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         shape = tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
-        names = groups.setdefault(id(param), ([], shape))[0]
-        names.append(name)
-        names.extend(k for k in revert_weight_conversion(model, {name: torch.empty(shape, device="meta")}) if k != name)
-    return list(groups.values())
+        groups.setdefault(id(param), ([], shape))[0].append(name)
+    if not original_format:
+        return list(groups.values())
+
+    def saved(tensors: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        meta = {name: torch.empty(shape, device="meta") for name, shape in tensors.items()}
+        return {name: tuple(t.shape) for name, t in revert_weight_conversion(model, meta).items()}
+
+    written = saved({names[0]: shape for names, shape in groups.values()})
+    expected = {name: [name] for name in written}
+    for names, shape in groups.values():
+        if len(names) > 1:  # tied: one tensor (a plain weight, renamed at most), under whichever name is kept
+            aliases = list(dict.fromkeys(key for name in names for key in saved({name: shape})))
+            for key in saved({names[0]: shape}):
+                expected[key] = aliases
+    return [(names, written[key]) for key, names in expected.items()]
 
 
 def check_complete(folder: Path, expected: Shapes) -> None:

@@ -86,7 +86,7 @@ class ModelConfig:
         "micro-batches); 0 turns it off. None: the model config's router_aux_loss_coef.")
     experts_implementation: str | None = _opt(
         None, "How expert matmuls run (transformers' experts_implementation): eager (a loop over the experts hit), "
-        "batched_mm, grouped_mm. None: grouped_mm on a CUDA GPU of compute capability 8.0+, else batched_mm.",
+        "batched_mm, grouped_mm. None: grouped_mm (the CPU; CUDA from compute capability 8.0), else eager.",
         choices=["eager", "batched_mm", "grouped_mm"])
 
 

@@ -150,7 +150,7 @@ def train(prepared: PreparedRun) -> dict[str, float]:
     model = lora.apply(model, cfg, args, fit_to_tokenizer(model, tokenizer, args.seed))
     _enable_activation_checkpointing(model, args)
     routed = moe.prepare(model, cfg, _micro_batches_per_step(cfg, args), args.device)
-    token_flops = flops_per_token(model, cfg.data.block_size)
+    token_flops = flops_per_token(model, cfg.data.block_size, moe.active_shares(model))
     adapter = (model.peft_config[lora.ADAPTER_NAME], lora.adapter_shapes(model)) if lora.is_peft(model) else None
     step = strategy.build_step(model, cfg, args)
     router = moe.RouterStats(model) if routed else None  # on the blocks this rank holds

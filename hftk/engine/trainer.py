@@ -108,7 +108,8 @@ def run_callbacks(prepared: PreparedRun, trainer: Any, strategy: Any) -> list[An
     peak = device_peak_flops(args.device, compute_dtype(args.bf16, args.fp16))
     metrics_cb = MetricsCallback(cfg.output_dir / cfg.tracking.metrics_file, tokens_per_step=tokens_per_step,
                                  samples_per_step=samples_per_step,
-                                 flops_per_step=tokens_per_step * flops_per_token(trainer.model, cfg.data.block_size),
+                                 flops_per_step=tokens_per_step * flops_per_token(
+                                     trainer.model, cfg.data.block_size, moe.active_shares(trainer.model)),
                                  peak_flops=peak * args.world_size if peak else None,
                                  perplexity=cfg.preference.method == "sft")
     # First in line so tensorboard / wandb see the throughput and perplexity it adds to each log.

@@ -16,7 +16,7 @@ bytes, once), and SDPA with attention dropout runs the math path, which keeps th
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,20 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-TRACE_LENGTHS = (16, 32)  # two sequence lengths fix alpha and gamma exactly
+TRACE_LENGTHS = (16, 32)
+
+
+@contextmanager
+def experts_on_meta() -> Any:
+    """Mixtures of experts traced as ``grouped_mm`` runs them (the implementation hftk picks), on the meta
+    device: torch's grouped GEMM has a meta kernel only for bf16, so transformers' own fallback op, which keeps
+    the same tensors for backward (the expert-sorted inputs) in any dtype, stands in for it meanwhile."""
+    from unittest import mock
+
+    from transformers.integrations import moe
+
+    with mock.patch.object(moe, "_can_use_grouped_mm", lambda *args: False):
+        yield  # two sequence lengths fix alpha and gamma exactly
 SCORE_KEEPING = ("eager",)  # attention implementations that keep the (b, a, s, s) probabilities
 
 
@@ -123,7 +136,7 @@ def _trace(model: torch.nn.Module, blocks: list[torch.nn.Module], seq_len: int, 
     try:
         model.set_attn_implementation("eager" if attention in SCORE_KEEPING else "sdpa")
         fused = nullcontext() if attention in SCORE_KEEPING else _FlashOnMeta()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fused:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fused, experts_on_meta():
             model.train()(input_ids=ids, labels=ids)
     finally:
         model.set_attn_implementation(previous)

@@ -53,6 +53,15 @@ def target_modules(cfg: ModelConfig, model_config: Any) -> list[str]:
     return list(spec.lora_targets)
 
 
+def target_parameters(cfg: ModelConfig, model_config: Any) -> list[str]:
+    """PEFT ``target_parameters`` of the default targets: a mixture of experts' fused expert weights (3-D
+    parameters no ``nn.Linear`` wraps), beside the blocks' linear projections. None with a user's own list."""
+    if cfg.lora_target_modules:
+        return []
+    moe = model_spec(model_config, cfg.trust_remote_code).moe
+    return list(moe.lora_target_parameters) if moe is not None else []
+
+
 def uses_conv1d(model: Any) -> bool:
     """Whether the targets are transformers' ``Conv1D`` (GPT-2 style, weights stored (in, out): PEFT's
     ``fan_in_fan_out``); a quantized base has bitsandbytes Linear layers (out, in) there instead."""
@@ -70,6 +79,7 @@ def lora_config(cfg: ModelConfig, model_config: Any, new_tokens: dict[str, list[
 
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=target_modules(cfg, model_config), bias="none", task_type="CAUSAL_LM",
+                      target_parameters=target_parameters(cfg, model_config) or None,
                       fan_in_fan_out=conv1d, use_dora=cfg.use_dora, use_rslora=cfg.use_rslora,
                       revision=None if cfg.model_revision == "main" else cfg.model_revision,
                       trainable_token_indices=new_tokens or None)
@@ -115,6 +125,16 @@ def validate(cfg: RunConfig, model_config: Any) -> None:
         raise HftkError("model.lora_alpha", f"must be > 0, got {m.lora_alpha}.", "use e.g. 16 (scale = alpha / r).")
     if not 0 <= m.lora_dropout < 1:
         raise HftkError("model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}.", "use e.g. 0.05 or 0.")
+    if cfg.preference.method != "sft" and target_parameters(m, model_config):
+        raise HftkError("model.lora_target_modules", f"the default LoRA targets include the experts' fused weights "
+                        f"(PEFT target_parameters), and TRL's {cfg.preference.method} copies the adapter into a frozen "
+                        "reference adapter, which PEFT cannot do beside parameter adapters.",
+                        "pass --lora_target_modules with the linear layers only (e.g. q_proj,k_proj,v_proj,o_proj), "
+                        "or train the full model (lora_r 0).")
+    if m.lora_dropout and target_parameters(m, model_config):
+        raise HftkError("model.lora_dropout", f"is {m.lora_dropout}, but the default targets include the experts' "
+                        "fused weights, whose PEFT adapters take no dropout.", "pass --lora_dropout 0, or "
+                        "--lora_target_modules to adapt the linear layers only.")
     support.check_lora(cfg.strategy.strategy, m.lora_r)  # tp / cp / sp shard the layers LoRA wraps
     support.check_quantized(cfg.strategy.strategy, quantized_field(m))
     check_quantization(cfg)
@@ -209,8 +229,13 @@ def apply(model: Any, cfg: RunConfig, args: Any, new_tokens: list[int] | None = 
     if args.process_index == 0:
         from hftk.telemetry.metrics import append_jsonl
 
-        targets = ", ".join(sorted(model.peft_config[ADAPTER_NAME].target_modules))
-        chosen = "" if cfg.model.lora_target_modules else " (default: every linear projection of the decoder blocks)"
+        peft_config = model.peft_config[ADAPTER_NAME]
+        targets = ", ".join([*sorted(peft_config.target_modules), *sorted(peft_config.target_parameters or [])])
+        chosen = "" if cfg.model.lora_target_modules else (
+            " (default: every linear projection of the decoder blocks" +
+            (" and the experts' fused weights, which QLoRA leaves in 16 bits" if peft_config.target_parameters and
+             getattr(model.get_base_model(), "is_quantized", False) else
+             " and the experts' fused weights" if peft_config.target_parameters else "") + ")")
         print(f"hftk: LoRA r={cfg.model.lora_r} alpha={cfg.model.lora_alpha} on {targets}{chosen}: "
               f"{counts['lora_trainable_params']:,} trainable of {counts['lora_total_params']:,} parameters "
               f"({100 * counts['lora_trainable_fraction']:.3f}%)", flush=True)

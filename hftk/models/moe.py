@@ -16,8 +16,8 @@ acts on them from outside:
   divided by the mean per expert, over the window), counted from the experts each token was really sent to (the
   experts module's ``top_k_index`` argument) and summed over every rank; one warning per window naming the layers
   where an expert got no token at all.
-- **Experts implementation**: ``grouped_mm`` where the device runs it (CUDA, compute capability 8.0+), else
-  ``batched_mm`` (:func:`choose_experts_implementation`); ``model.experts_implementation`` overrides.
+- **Experts implementation**: ``grouped_mm`` where the device runs it (the CPU, CUDA from compute capability
+  8.0), else the eager loop (:func:`choose_experts_implementation`); ``model.experts_implementation`` overrides.
 """
 
 from __future__ import annotations
@@ -38,14 +38,15 @@ EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 
 
 def choose_experts_implementation(asked: str | None, device: torch.device) -> str:
-    """The user's choice, else the fastest the device runs: grouped GEMM on CUDA 8.0+, batched matmuls elsewhere
-    (measured on this CPU: ``hftk bench`` in docs; transformers' own default, grouped_mm, asks for bf16 on the meta
-    device and falls back to the eager loop where it cannot dispatch)."""
+    """The user's choice, else the fastest the device runs: grouped GEMM (CUDA from compute capability 8.0; the CPU
+    with torch >= 2.9), else the eager loop over the experts hit. Measured on a 2-core CPU (16 experts, top-4,
+    4 x 256 tokens, forward + backward): grouped_mm 0.29 s, eager 0.66 s, batched_mm 20 s, which also holds a
+    copy of every routed token's expert weights."""
     if asked:
         return asked
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        return "grouped_mm"
-    return "batched_mm"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "eager"
+    return "grouped_mm"
 
 
 def spec_moe(model: nn.Module) -> Any:
@@ -92,6 +93,18 @@ def prepare(model: nn.Module, cfg: Any, micro_batches_per_step: int, device: tor
               f"{f' beside {dense} dense' if dense else ''}{', shared experts' if moe.shared else ''}; {balance}; "
               f"experts run {implementation}", flush=True)
     return True
+
+
+def active_shares(model: nn.Module) -> dict[int, float]:
+    """The share of tokens each expert weight serves, by parameter ``id`` (top-k of E), for FLOP counts: a token
+    runs its top-k experts, not all E. Empty for a dense model."""
+    causal = causal_lm(model)
+    spec = model_spec(causal.config)
+    if spec.moe is None:
+        return {}
+    blocks = getattr(causal.get_submodule(spec.backbone) if spec.backbone else causal, spec.blocks)
+    share = spec.moe.top_k / spec.moe.num_experts
+    return {id(p): share for i in spec.moe.layers for p in blocks[i].get_submodule(spec.moe.experts).parameters()}
 
 
 def add_balance_sums(carried: torch.Tensor, router_logits: torch.Tensor, top_k: int,

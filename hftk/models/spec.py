@@ -20,7 +20,7 @@ the strategies that need the structure (pipeline, tp, cp, sp) refuse it by name 
 
 from __future__ import annotations
 
-import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch.nn as nn
 from hftk.config.strategy_table import STRATEGIES
 from hftk.config.support import Refusal
 from hftk.core.errors import HftkError
+from hftk.models.activations import experts_on_meta
 
 FIELD = "model.model_name_or_path"
 # Besides nn.Linear and its subclasses: module types PEFT's LoRA wraps as linear projections (transformers' Conv1D
@@ -121,10 +122,6 @@ class ModelSpec:
     def has_structure(self) -> bool:
         return self.structure_problem is None
 
-    def full(self, name: str) -> str:
-        """A backbone child's name relative to the causal LM."""
-        return f"{self.backbone}.{name}" if self.backbone else name
-
 
 _SPECS: dict[tuple[str, bool], ModelSpec] = {}
 
@@ -138,17 +135,31 @@ def model_spec(config: Any, trust_remote_code: bool = False) -> ModelSpec:
     return _SPECS[key]
 
 
+@contextmanager
+def _outside_zero3() -> Any:
+    """transformers builds every model under ZeRO-3's partitioned init once a ZeRO-3 ``TrainingArguments`` exists
+    in the process (a global it keeps); a meta-device model must not be: its weight init would copy from meta."""
+    from transformers.integrations import deepspeed
+
+    saved = deepspeed._hf_deepspeed_config_weak_ref  # no public getter; set / unset are its public API
+    deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
 def meta_model(config: Any, trust_remote_code: bool = False) -> nn.Module:
     """The causal LM of ``config`` on the meta device: its module tree and shapes, no memory. Its experts (MoE)
-    run transformers' ``batched_mm``, which traces on the meta device (``grouped_mm`` wants real 16-bit inputs)."""
+    run ``grouped_mm``, as training runs them (forwards traced under :func:`experts_on_meta`)."""
     from transformers import AutoModelForCausalLM
 
     # torch's meta device, not accelerate's init_empty_weights: under the latter transformers 5 leaves tied
     # embeddings untied, and a tied head would count twice.
-    with torch.device("meta"):
+    with torch.device("meta"), _outside_zero3():
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    if getattr(model.config, "_experts_implementation", None) not in (None, "batched_mm"):
-        model.set_experts_implementation("batched_mm")
+    if any(p.ndim == 3 for p in model.parameters()):  # fused experts (dense models refuse the call)
+        model.set_experts_implementation("grouped_mm")
     return model
 
 
@@ -177,9 +188,10 @@ def derive(config: Any, trust_remote_code: bool = False) -> ModelSpec:
     inside = {id(p) for p in backbone.parameters()} | ({id(p) for p in head.parameters()} if head is not None else set())
     outside = _top_most({n.rsplit(".", 1)[0] for n, p in model.named_parameters() if id(p) not in inside},
                         backbone_name)
-    plan, problem = _tp_plan(config, model, backbone_name)
+    plan, problem = _tp_plan(config, backbone_name)
     return ModelSpec(
-        **common, source=source, backbone=backbone_name, blocks=blocks_name, block_classes=tuple(dict.fromkeys(type(b).__name__ for b in blocks)), block_returns=returns,
+        **common, source=source, backbone=backbone_name, blocks=blocks_name,
+        block_classes=tuple(dict.fromkeys(type(b).__name__ for b in blocks)), block_returns=returns,
         before_blocks=before, after_blocks=after, embedding=embedding_name, head=head_name,
         tied=head is not None and embedding is not None and head.weight is embedding.weight, outside=outside,
         lora_targets=_linear_leaves(blocks, {r.target_class} if (r := _router_recorder(model)) else set()),
@@ -259,7 +271,8 @@ def _trace(model: nn.Module, backbone: nn.Module, blocks: str) -> tuple[list[str
                for n, c in targets]
     handles.append(first.register_forward_hook(lambda _m, _a, out: returned.append(type(out).__name__)))
     try:
-        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"))
+        with experts_on_meta():
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"))
     except Exception as exc:  # any failure means the order is unknown, which the caller reports
         return f"its forward could not be traced on the meta device ({type(exc).__name__}: {str(exc)[:120]})"
     finally:
@@ -295,13 +308,14 @@ def _attention_problem(config: Any, trust_remote_code: bool, layers: int) -> str
 
     ALL_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, record)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _outside_zero3():
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=PROBE_ATTENTION,
                                                      trust_remote_code=trust_remote_code)
-        if getattr(model.config, "_experts_implementation", None) not in (None, "batched_mm"):
-            model.set_experts_implementation("batched_mm")
-        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"),
-              position_ids=torch.arange(4, device="meta")[None])
+        if any(p.ndim == 3 for p in model.parameters()):  # fused experts (dense models refuse the call)
+            model.set_experts_implementation("grouped_mm")
+        with experts_on_meta():
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"),
+                  position_ids=torch.arange(4, device="meta")[None])
     except Exception as exc:  # a model that cannot run this way is refused by sp, saying why
         return f"its attention could not be traced on the meta device ({type(exc).__name__}: {str(exc)[:120]})"
     if not calls:
@@ -370,7 +384,7 @@ def _moe(model: nn.Module, blocks: nn.ModuleList, text: Any) -> MoESpec | None:
     )
 
 
-def _tp_plan(config: Any, model: nn.Module, backbone: str) -> tuple[dict[str, str], str | None]:
+def _tp_plan(config: Any, backbone: str) -> tuple[dict[str, str], str | None]:
     """The tensor-parallel plan relative to the causal LM, and why tp cannot use it (None when it can)."""
     if config.model_type in TP_PLAN_OVERRIDES:
         return dict(TP_PLAN_OVERRIDES[config.model_type]), None

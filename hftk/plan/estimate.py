@@ -63,6 +63,7 @@ OPTIM_8BIT_BLOCK = 256  # elements per absmax of an 8-bit optimizer state
 def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | None = None) -> ModelShape:
     """Count parameters of the model built on the meta device (LoRA adapters added the same way)."""
     from hftk.models.layout import block_modules, spec_of
+    from hftk.models.moe import active_shares
     from hftk.models.spec import meta_model
 
     model = meta_model(model_config)
@@ -78,6 +79,7 @@ def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | N
         model = get_peft_model(model, lora_config(lora, model_config, conv1d=uses_conv1d(model)))
     params = list(model.parameters())
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    shares = active_shares(model)  # expert weights: the share of tokens each serves
     quantizable, rows = _quantizable(model)
     optim_8bit = _optim_8bit(model)
     return ModelShape(
@@ -94,6 +96,8 @@ def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | N
         saved=profile(model, blocks, _sliding_window(spec_of(model))),
         quantizable=quantizable, quantizable_rows=rows, optim_8bit=sum(optim_8bit),
         optim_8bit_tensors=len(optim_8bit), kv_width=kv_width(model_config),
+        experts=sum(p.numel() for p in params if id(p) in shares),
+        active=int(sum(p.numel() * shares.get(id(p), 1.0) for p in params)) if shares else 0,
     )
 
 
@@ -545,7 +549,9 @@ def _rollouts(inputs: PlanInputs) -> str:
 
 
 def format_table(shape: ModelShape, inputs: PlanInputs, plans: list[StrategyPlan], chosen: StrategyPlan | None) -> str:
-    head = (f"{shape.params / 1e6:.1f}M parameters ({shape.trainable / 1e6:.2f}M trainable), world size "
+    experts = (f", {shape.experts / 1e6:.1f}M in experts, {shape.active / 1e6:.1f}M active per token"
+               if shape.experts else "")
+    head = (f"{shape.params / 1e6:.1f}M parameters ({shape.trainable / 1e6:.2f}M trainable{experts}), world size "
             f"{inputs.world_size}, {inputs.device_memory_bytes / GIB:.1f} GiB per rank ({inputs.device}), "
             f"micro-batch {inputs.micro_batch} x {inputs.seq_len} tokens, {inputs.dtype}"
             f"{'' if inputs.mixed_precision == 'no' else ' + ' + inputs.mixed_precision}"

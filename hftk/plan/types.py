@@ -48,6 +48,8 @@ class ModelShape:
     optim_8bit: int = 0  # trainable elements an 8-bit optimizer keeps in 8 bits
     optim_8bit_tensors: int = 0
     kv_width: int = 0  # key (and value) elements one token caches per layer: key/value heads x head size
+    experts: int = 0  # a mixture of experts' expert weights (all held, whatever a token uses)
+    active: int = 0  # the parameters one token uses (its top-k experts of each MoE layer); 0: all of them
 
 
 @dataclass(frozen=True)

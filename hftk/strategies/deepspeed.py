@@ -37,6 +37,7 @@ from hftk.config.strategy_table import STRATEGIES
 from hftk.core.agent_store import node_first
 from hftk.core.errors import HftkError
 from hftk.core.output import DEEPSPEED_OP_BUILT, printed_lines_dropped
+from hftk.models.layout import spec_of
 from hftk.plan.types import MAX_LIVE_PARAMETERS, MAX_REUSE_DISTANCE, SUB_GROUP_SIZE
 
 # ZeRO keeps one optimizer partition per rank and DeepSpeed's own loader refuses another world size.
@@ -239,13 +240,22 @@ def _start_cpu_state(timeout_s: int) -> None:
 
 
 def prepare_model(model: Any, cfg: RunConfig) -> Any:
-    """Nothing to apply (the Trainer wraps the engine); ZeRO-3 must have been partitioned at load."""
-    if STRATEGIES[cfg.strategy.strategy].zero_stage == 3 and not all(hasattr(p, "ds_id") for p in model.parameters()):
+    """Nothing to apply (the Trainer wraps the engine); ZeRO-3 must have been partitioned at load. A mixture of
+    experts kept as one module per expert makes its sparse block a ZeRO-3 leaf (DeepSpeed's
+    ``set_z3_leaf_modules``, LLaMA-Factory's fix): gathered whole, so ranks that route to different experts never
+    wait on each other's gathers (DeepSpeed#4808). Fused experts are one parameter, gathered whole anyway."""
+    zero3 = STRATEGIES[cfg.strategy.strategy].zero_stage == 3
+    if zero3 and not all(hasattr(p, "ds_id") for p in model.parameters()):
         raise HftkError(
             "strategy.strategy", f"{cfg.strategy.strategy}: the model was loaded whole, not partitioned by zero.Init, "
             "so every rank would first hold all of it.",
             "build TrainingArguments(deepspeed=...) before from_pretrained (hftk's engine does).",
         )
+    moe = spec_of(model).moe
+    if zero3 and moe is not None and not moe.fused:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, [type(m) for m in model.modules() if type(m).__name__ == moe.sparse_block_class][:1])
     return model
 
 

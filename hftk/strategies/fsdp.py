@@ -226,7 +226,7 @@ def _write_full_folder(trainer: Any, out_dir: Path, state: dict[str, torch.Tenso
                                   save_original_format=original_format)
     if trainer.processing_class is not None:
         trainer.processing_class.save_pretrained(out_dir)
-    check_complete(out_dir, shapes_of(trainer.model))
+    check_complete(out_dir, shapes_of(trainer.model, original_format))
 
 
 def save_sharded_model(trainer: Any, out_dir: Path) -> None:

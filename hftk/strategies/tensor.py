@@ -82,15 +82,21 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     from hftk.strategies import context
     from hftk.strategies.mesh import MeshLayout
     from hftk.comm.collectives import all_reduce_flat
+    from hftk.models.spec import model_spec
     from hftk.strategies.tp_plans import apply_tensor_parallel, block_plan, partial_grad_params
 
     dims = parallel_dims(cfg.strategy, dist.get_world_size())
     replicate, shard, cp, tp = dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp
     mesh = dims.mesh(device_type, MESH_LOOP_DIMS)
     partial: list[str] = []
+    experts_whole = tp > 1 and model_spec(model.config).moe is not None
     if tp > 1:
         partial = partial_grad_params(model, block_plan(model.config))
         apply_tensor_parallel(model, mesh["tp"])
+    if experts_whole and dist.get_rank() == 0:
+        print("hftk: tp: the model's tensor-parallel plan splits attention (and dense MLPs), not its experts: each "
+              "tensor-parallel rank holds and runs every expert of its layers (FSDP2 shards them over the "
+              "data-parallel ranks)", flush=True)
     if cp > 1:
         context.use_ring_attention(model)
     data_size = dims.data_parallel
@@ -120,7 +126,8 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
         data_groups=[mesh.get_group("dp_replicate"), mesh.get_group("dp_shard"), mesh.get_group("cp")],
         grad_scale=float(data_size * cp),  # FSDP2 averages gradients over the data-parallel and cp ranks
         describe={"strategy": cfg.strategy.strategy, "dp_replicate_size": replicate, "dp_shard_size": shard,
-                  "cp_size": cp, "tp_size": tp, "family": model.config.model_type, "vocab_parallel_loss": tp > 1},
+                  "cp_size": cp, "tp_size": tp, "family": model.config.model_type, "vocab_parallel_loss": tp > 1,
+                  "experts_replicated_over_tp": experts_whole},
         shard_batch=(lambda batch: context.shard_sequences(batch, cp, cp_rank)) if cp > 1 else (lambda batch: batch),
         loss_context=loss_context,
         reduce_grads=sum_partial_grads,

@@ -75,22 +75,26 @@ def device_peak_flops(device: torch.device, dtype: str) -> float | None:
     return None
 
 
-def matmul_params(model: torch.nn.Module) -> tuple[int, int]:
-    """(parameters used in matmuls, of which trainable): embedding lookups cost no FLOPs, a tied LM head does."""
+def matmul_params(model: torch.nn.Module, active: dict[int, float] | None = None) -> tuple[float, float]:
+    """(parameters used in matmuls, of which trainable): embedding lookups cost no FLOPs, a tied LM head does.
+    ``active``: the share of each token that uses a parameter, by ``id`` (a mixture of experts' expert weights:
+    top-k of E; :func:`hftk.models.moe.active_shares`), 1 for the others."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = getattr(head, "original_module", head)  # PEFT's trainable-tokens wrapper computes its .weight
     head_weight = getattr(head, "weight", None)
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight is not head_weight}
     # parameters() yields a tied weight once; ZeRO-3 leaves 0 elements locally, ds_numel is the full size
-    sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in model.parameters()
-             if id(p) not in lookups]
+    share = active or {}
+    sizes = [((getattr(p, "ds_numel", None) or p.numel()) * share.get(id(p), 1.0), p.requires_grad)
+             for p in model.parameters() if id(p) not in lookups]
     return sum(size for size, _ in sizes), sum(size for size, trainable in sizes if trainable)
 
 
-def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+def flops_per_token(model: torch.nn.Module, seq_len: int, active: dict[int, float] | None = None) -> float:
     """Training FLOPs per token: 2N forward + 2N input gradients + 2N' weight gradients (N' trainable;
-    6N for full fine-tuning), plus attention scores 12 * layers * hidden * seq_len (PaLM, appendix B)."""
-    total, trainable = matmul_params(model)
+    6N for full fine-tuning), plus attention scores 12 * layers * hidden * seq_len (PaLM, appendix B); N counts
+    the parameters a token uses (``active``: a mixture of experts' routed share, :func:`matmul_params`)."""
+    total, trainable = matmul_params(model, active)
     return 4 * total + 2 * trainable + 12 * model.config.num_hidden_layers * model.config.hidden_size * seq_len
 
 

@@ -13,13 +13,17 @@ replica).
 The reference of each family is tests/reference/plain.py's loop (no hftk, no Trainer) on one process at batch 2 with
 torch's AdamW, which every cell is given (``--optim adamw_torch``), and the Trainer's loss divisor (the predicted
 tokens for a ``...ForCausalLM`` class, every label otherwise; the mesh strategies, tp / cp / sp, always divide by
-the predicted tokens). Its LoRA runs are PEFT's own ``all-linear`` targets, which hftk's default targets must equal.
+the predicted tokens). Its LoRA runs are PEFT's own ``all-linear`` targets (and a mixture of experts' 3-D expert
+weights), which hftk's default targets must equal. A mixture of experts' balancing loss is the mean over a step's
+micro-batches: the reference cuts its batch as the cell does (one row per rank under the Trainer's strategies, the
+pipeline's two micro-batches; tp's one batch of two) and runs the experts as hftk does (grouped_mm).
 Each cell's per-step losses and final weights (the adapter's, for LoRA) equal the reference's within 1e-5.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,12 @@ COMMON = ["--model_dropout", "0", "--block_size", str(BLOCK), "--max_train_sampl
 STRATEGY_ARGS = {"pipeline": ["--pp_size", "2", "--pp_microbatches", "2"], "tp": ["--tp_size", "2"],
                  "cp": ["--cp_size", "2"], "sp": ["--sp_size", "2"]}
 MESH = ("tp", "cp", "sp")  # their loss: the mean over predicted tokens, whatever the model class
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe")
+# Exact resume on every mixture of experts: its cell of these strategies saves at step 2, and a resumed run continues
+# from that checkpoint alone (the balancing loss's weights, the router, experts and optimizer state through FSDP2's
+# sharded checkpoint and the pipeline's stage files).
+RESUMED = ("fsdp", "pipeline")
+SAVE_AT = ["--save_strategy", "steps", "--save_steps", "2"]
 LORA = ["--lora_r", "4", "--lora_dropout", "0"]
 QLORA = ["--load_in_4bit", *LORA]
 TOLERANCE = 1e-5
@@ -78,8 +88,14 @@ def divisor(model: Path, strategy: str) -> str:
     return "targets" if strategy in MESH or architecture.endswith("ForCausalLM") else "labels"
 
 
-def reference_name(family: str, lora: bool, loss_divisor: str) -> str:
-    return f"ref-{family}-{'lora' if lora else 'full'}-{loss_divisor}"
+def micro_batches(strategy: str, moe: bool) -> int:
+    """How the cell cuts its batch of 2 for a mixture of experts' balancing loss (1 for a dense model: its loss is
+    the same however the batch is cut)."""
+    return 1 if not moe or strategy in MESH else 2
+
+
+def reference_name(family: str, lora: bool, loss_divisor: str, micro: int) -> str:
+    return f"ref-{family}-{'lora' if lora else 'full'}-{loss_divisor}-{micro}"
 
 
 def weights(final: Path, lora: bool) -> dict[str, Any]:
@@ -106,6 +122,10 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
            ) -> tuple[dict[tuple[str, str, str], Any], dict[str, Path]]:
     """Every cell's outcome: ``"trains"`` (ran, losses and final weights equal to its reference, ``final/`` loaded
     back; QLoRA: finite losses) or its Refusal; and the model folder of each family."""
+    from transformers import AutoConfig
+
+    from hftk.models.spec import model_spec
+
     root = tmp_path_factory.mktemp("matrix")
     start = time.perf_counter()
     models = {family: make_family(family, root / "models" / family) for family in MATRIX_FAMILIES}
@@ -119,27 +139,39 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
                         continue
                     out = root / "runs" / f"{strategy}-{family}-{variant}"
                     argv = cell_argv(strategy, model, variant, out)
+                    if family in MOE_FAMILIES and strategy in RESUMED and variant == "full":
+                        argv = [*argv, *SAVE_AT]
                     refused = refusal(argv, monkeypatch)
                     if refused is not None:
                         outcomes[(strategy, family, variant)] = refused
                         continue
                     ref = None
                     if variant != "qlora":
-                        ref = reference_name(family, variant == "lora", divisor(model, strategy))
-                        references[ref] = (model, variant == "lora", divisor(model, strategy))
+                        moe = model_spec(AutoConfig.from_pretrained(model)).moe is not None
+                        key = (model, variant == "lora", divisor(model, strategy), micro_batches(strategy, moe))
+                        ref = reference_name(family, *key[1:])
+                        references[ref] = (*key, moe)
                     cells.append({"name": out.name, "argv": argv, "key": (strategy, family, variant), "out": out,
                                   "ref": ref})
     began = time.perf_counter()
-    for name, (model, lora, loss_divisor) in references.items():
+    for name, (model, lora, loss_divisor, micro, moe) in references.items():
         plain_reference("loop", root / name, ["--max_steps", str(STEPS), "--batch_size", "2", "--block_size",
                                               str(BLOCK), "--max_train_samples", "200", "--optim", "adamw_torch",
-                                              "--loss_divisor", loss_divisor, *(["--lora_r", "4"] if lora else [])],
+                                              "--loss_divisor", loss_divisor, "--micro_batches", str(micro),
+                                              *(["--lora_r", "4"] if lora else []),
+                                              *(["--experts_implementation", "grouped_mm"] if moe else [])],
                         model=model)
     referenced = time.perf_counter() - began
     began = time.perf_counter()
     for cell in cells:
         result = torchrun(2, FINETUNE, cell["argv"], timeout=900)
         assert result.returncode == 0, f"matrix cell {cell['name']} failed:\n{result.output[-8000:]}"
+    for strategy, family in [(s, f) for s in RESUMED for f in MOE_FAMILIES if outcomes.get((s, f, "full")) is None]:
+        whole, resumed = root / "runs" / f"{strategy}-{family}-full", root / "runs" / f"resumed-{strategy}-{family}"
+        shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
+        argv = [*cell_argv(strategy, models[family], "full", resumed), *SAVE_AT, "--resume_from_checkpoint", "latest"]
+        result = torchrun(2, FINETUNE, argv, timeout=900)
+        assert result.returncode == 0, f"resumed {strategy} {family} failed:\n{result.output[-8000:]}"
     launched = time.perf_counter() - began
     for cell in cells:
         strategy, family, variant = cell["key"]
@@ -196,3 +228,47 @@ def test_every_cell_trains_with_parity_or_is_refused_as_the_support_table_says(m
 def test_a_4bit_base_of_every_family_trains_under_ddp(matrix):
     outcomes, _ = matrix
     assert all(outcomes[("ddp", family, "qlora")] == "trains" for family in MATRIX_FAMILIES)
+
+
+@pytest.mark.parametrize("strategy", RESUMED)
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_mixture_of_experts_resumes_exactly(matrix, family, strategy):
+    """From checkpoint-2 alone, step 3 and the final weights equal the uninterrupted run's."""
+    root = matrix[1][family].parents[1] / "runs"
+    whole, resumed = losses(root / f"{strategy}-{family}-full"), losses(root / f"resumed-{strategy}-{family}")
+    assert sorted(resumed) == [3] and resumed[3] == pytest.approx(whole[3], abs=1e-6)
+    mine, theirs = (weights(root / name / "final", False) for name in (f"resumed-{strategy}-{family}",
+                                                                        f"{strategy}-{family}-full"))
+    assert max(float((mine[k] - theirs[k]).abs().max()) for k in theirs) < 1e-6
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_router_metrics_reach_metrics_jsonl(matrix, family):
+    """Every logged step of a mixture of experts carries the balancing term (unscaled) and the busiest expert's
+    load over the mean, under the Trainer (ddp) and hftk's loop (pipeline)."""
+    from tests.helpers import metrics
+
+    root = matrix[1][family].parents[1] / "runs"
+    for strategy in ("ddp", "pipeline"):
+        logged = [m for m in metrics(root / f"{strategy}-{family}-full") if "loss" in m]
+        assert len(logged) == STEPS, (strategy, logged)
+        assert all(m["moe_aux_loss"] > 0 and m["expert_load_max_mean"] >= 1.0 for m in logged), (strategy, logged)
+
+
+def test_an_expert_adapter_merges_into_the_model_it_trained(matrix, tmp_path):
+    """``hftk export --merge`` of a LoRA adapter on Qwen3-MoE's experts (PEFT target_parameters) gives a standard
+    folder whose logits equal the base with the adapter applied."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hftk.cli import main as hftk
+
+    base = matrix[1]["qwen3_moe"]
+    adapter = base.parents[1] / "runs" / "ddp-qwen3_moe-lora" / "final"
+    assert hftk(["export", str(adapter), str(tmp_path / "merged"), "--merge"]) == 0
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(ids).logits
+    assert torch.allclose(got, want, atol=1e-5)

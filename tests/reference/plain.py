@@ -63,8 +63,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--experts_implementation", default=None, help="a mixture of experts' transformers "
                    "experts_implementation (eager, batched_mm, grouped_mm)")
     p.add_argument("--lora_r", type=int, default=0, help="train a LoRA adapter of this rank on PEFT's own "
-                   "'all-linear' targets (alpha 16, no dropout), lora_A drawn right after torch.manual_seed(seed), "
-                   "the convention hftk documents for every rank and a one-process run")
+                   "'all-linear' targets and a mixture of experts' 3-D expert weights (alpha 16, no dropout), lora_A "
+                   "drawn right after torch.manual_seed(seed), the convention hftk documents for every rank and a "
+                   "one-process run")
     return p.parse_args(argv)
 
 
@@ -107,10 +108,12 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
         from peft import LoraConfig, get_peft_model
 
         conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())  # GPT-2 stores (in, out)
+        # a mixture of experts' fused expert weights: 3-D parameters (expert dimension first), by their last names
+        experts = sorted({".".join(n.split(".")[-3:]) for n, p in model.named_parameters() if p.ndim == 3})
         torch.manual_seed(args.seed)
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=16, lora_dropout=0.0, bias="none",
                                                  target_modules="all-linear", fan_in_fan_out=conv1d,
-                                                 task_type="CAUSAL_LM"))
+                                                 target_parameters=experts or None, task_type="CAUSAL_LM"))
     return model, AutoTokenizer.from_pretrained(args.model)
 
 

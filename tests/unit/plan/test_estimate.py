@@ -393,3 +393,25 @@ def test_plan_command_counts_grpo_rollouts_and_refuses_a_completion_past_the_con
     with pytest.raises(HftkError, match="1152 tokens \\(with --max_completion_length\\) exceed the model's context "
                                         "length 1024"):
         plan_command([*base, "--seq_len", "640", "--max_completion_length", "512"])
+
+
+def test_hftk_plan_counts_a_mixture_of_experts_total_and_active(tmp_path, capsys):
+    """A Qwen3-30B-A3B-shaped config (128 experts, top-8; 6 of its 48 layers: the plan reads their shapes) in bf16:
+    every row, no traceback (transformers' grouped_mm met in the activation trace once raised one), the experts
+    counted whole in every strategy's model state and the active parameters named."""
+    from transformers import AutoConfig
+
+    from hftk.plan.estimate import model_shape, plan_command
+
+    AutoConfig.for_model("qwen3_moe", hidden_size=2048, num_hidden_layers=6, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                         num_experts=128, num_experts_per_tok=8, vocab_size=151936).save_pretrained(tmp_path)
+    assert plan_command(["--model", str(tmp_path), "--world_size", "8", "--device_memory", "80", "--seq_len", "4096",
+                         "--mixed_precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "in experts" in out and "active per token" in out
+    assert all(name in out for name in ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload"))
+    shape = model_shape(AutoConfig.from_pretrained(tmp_path))
+    per_layer = 128 * 3 * 2048 * 768  # gate, up and down of every expert
+    assert shape.experts == 6 * per_layer
+    assert shape.active == shape.params - shape.experts + 6 * per_layer * 8 // 128
