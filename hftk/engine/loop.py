@@ -438,6 +438,7 @@ def _stop(run: Run) -> None:
     if run.rank == 0:
         saved = run.prepared.cfg.output_dir / f"checkpoint-{run.state.global_step}"
         print(stop_line(run.state.global_step, run.stop_reason, saved, run.exit_code), file=sys.stderr, flush=True)
+    run.signal.leave()
     dist.barrier()
     dist.destroy_process_group()
     raise SystemExit(run.exit_code)
