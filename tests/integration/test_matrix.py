@@ -40,10 +40,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 STEPS = 3
 BLOCK = 32
+# AdamW's epsilon at 1e-4: with the default 1e-8 its normalisation turns the last-bit differences of a 2-rank
+# gradient sum into up to 1.3e-5 on the few weights whose gradient is near zero (Gemma 3 under zero3, 3 steps);
+# 1e-4 keeps the update linear there, so the weights' 1e-5 checks the strategies, not rounding (as tests/integration/test_lora.py)
 COMMON = ["--model_dropout", "0", "--block_size", str(BLOCK), "--max_train_samples", "200", "--max_steps", str(STEPS),
           "--lr_scheduler_type", "constant", "--learning_rate", "1e-3", "--warmup_steps", "0", "--optim",
-          "adamw_torch", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no", "--report_to",
-          "none", "--disable_tqdm", "true", "--seed", "7"]
+          "adamw_torch", "--adam_epsilon", "1e-4", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy",
+          "no", "--report_to", "none", "--disable_tqdm", "true", "--seed", "7"]
 STRATEGY_ARGS = {"pipeline": ["--pp_size", "2", "--pp_microbatches", "2"], "tp": ["--tp_size", "2"],
                  "cp": ["--cp_size", "2"], "sp": ["--sp_size", "2"]}
 MESH = ("tp", "cp", "sp")  # their loss: the mean over predicted tokens, whatever the model class
@@ -158,6 +161,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
     for name, (model, lora, loss_divisor, micro, moe) in references.items():
         plain_reference("loop", root / name, ["--max_steps", str(STEPS), "--batch_size", "2", "--block_size",
                                               str(BLOCK), "--max_train_samples", "200", "--optim", "adamw_torch",
+                                              "--adam_epsilon", "1e-4",
                                               "--loss_divisor", loss_divisor, "--micro_batches", str(micro),
                                               *(["--lora_r", "4"] if lora else []),
                                               *(["--experts_implementation", "grouped_mm"] if moe else [])],
@@ -174,6 +178,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
         result = torchrun(2, FINETUNE, argv, timeout=900)
         assert result.returncode == 0, f"resumed {strategy} {family} failed:\n{result.output[-8000:]}"
     launched = time.perf_counter() - began
+    loaded: set[tuple[str, str]] = set()
     for cell in cells:
         strategy, family, variant = cell["key"]
         got = losses(cell["out"])
@@ -186,7 +191,9 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
             assert mine.keys() == theirs.keys(), (cell["name"], sorted(set(mine) ^ set(theirs))[:4])
             worst = max(float((mine[k].float() - theirs[k].float()).abs().max()) for k in mine)
             assert worst < TOLERANCE, (cell["name"], worst)
-        check_final(cell["out"] / "final", models[family], variant != "full")
+        if (family, variant) not in loaded:  # its folder format is the same under every strategy: loaded once
+            check_final(cell["out"] / "final", models[family], variant != "full")
+            loaded.add((family, variant))
         outcomes[cell["key"]] = "trains"
     summary = (f"\nmatrix: {len(references)} one-process references ({referenced:.0f} s), {len(cells)} cells trained "
                f"(2 warm ranks each, {launched:.0f} s), {len(outcomes) - len(cells)} refused before launch; "
