@@ -78,7 +78,6 @@ def main(spec_path: str) -> int:
     if use_cuda:
         torch.cuda.set_device(device)
     topo = pipeline.topology(pp, device)
-    model = model_from(spec).to(device)
     configs, records = [], []
     for schedule in spec["schedules"]:
         for m in spec["microbatches"]:
@@ -89,7 +88,8 @@ def main(spec_path: str) -> int:
                 continue
             scfg = StrategyConfig(strategy="pipeline", pp_size=pp, pp_microbatches=m, pp_schedule=schedule,
                                   pp_virtual_stages=spec["virtual_stages"])
-            rt = pipeline.build_runtime(model, scfg, topo)
+            # a model per configuration: build_runtime drops the other ranks' parts from the model it cuts
+            rt = pipeline.build_runtime(model_from(spec).to(device), scfg, topo)
             events: list[Event] = []
             instrument(rt, events)
             ids = torch.randint(0, spec["vocab_size"], (m * spec["rows_per_microbatch"], spec["block_size"]),
