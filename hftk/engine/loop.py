@@ -1,4 +1,4 @@
-"""The one custom training loop: for what the HF Trainer cannot drive (pipeline stages; tp / cp / sp meshes).
+"""The one custom training loop: for what the HF Trainer cannot drive (pipeline stages; tp / cp / sp / ep meshes).
 
 A strategy whose table ``engine`` is ``loop`` supplies its *step* (``build_step(model, cfg, args)``):
 how one optimizer step's batches go forward and backward and their gradients are reduced, the
@@ -25,7 +25,8 @@ rank monitor may hook, or None), ``config``, ``describe`` (logged once), ``repli
 whose weights must be equal share one); methods ``param_groups(weight_decay)``,
 ``forward_backward(batches) -> global mean loss``, ``clip_gradients(max_norm) -> norm``,
 ``eval_sums(batch) -> [loss sum, count]`` summed over the world, ``save(folder, optimizer)``,
-``load(folder, optimizer)``, ``save_final(out, tokenizer, write_extra, step)``.
+``load(folder, optimizer)``, ``save_final(out, tokenizer, write_extra, step)``; optionally ``callbacks`` (Trainer
+callbacks of its own, ahead of the metrics callback: expert parallel's all-to-all counters).
 """
 
 from __future__ import annotations
@@ -283,9 +284,9 @@ def _start_run(prepared: PreparedRun, args: Any, step: Any, tokenizer: Any, opti
                                  peak_flops=peak * dist.get_world_size() if peak else None)
     lifetime_peak = peak_memory_bytes(step.device)  # imports, loading, sharding (the monitor resets the peak)
     monitor = RankMonitor(step.device, cfg.tracking.imbalance_warn_threshold, cfg.tracking.comm_profile_steps)
-    callbacks = [RankMonitorCallback(monitor, metrics_path), metrics_cb, DefaultFlowCallback,
-                 *get_reporting_integration_callbacks(args.report_to)]
-    if cfg.tracking.check_sync_steps > 0:  # tp / cp / sp refuse it before launch: their shards have no replicas
+    callbacks = [*getattr(step, "callbacks", ()), RankMonitorCallback(monitor, metrics_path), metrics_cb,
+                 DefaultFlowCallback, *get_reporting_integration_callbacks(args.report_to)]
+    if cfg.tracking.check_sync_steps > 0:  # tp / cp / sp / ep refuse it before launch: their shards have no replicas
         callbacks.append(SyncCheckCallback(cfg.tracking.check_sync_steps, metrics_path, step.replica_key,
                                            step.module))
     handler = CallbackHandler(callbacks, step.monitored, tokenizer, optimizer, scheduler)

@@ -49,6 +49,10 @@ class ModelShape:
     optim_8bit_tensors: int = 0
     experts: int = 0  # a mixture of experts' expert weights (all held, whatever a token uses)
     active: int = 0  # the parameters one token uses (its top-k experts of each MoE layer); 0: all of them
+    largest_block_experts: int = 0  # the expert weights inside the biggest block (expert parallel splits them)
+    moe_layers: int = 0  # blocks with experts
+    top_k: int = 0  # experts each token is routed to
+    num_experts: int = 0  # experts per MoE layer
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class PlanInputs:
     pairs: bool = False  # DPO: a micro-batch is pairs, chosen and rejected through one forward (2 x micro_batch rows)
     reference: bool = False  # DPO: a frozen reference model beside the policy (none under LoRA or precomputed log-probs)
     reference_params: int | None = None  # DPO: a separately named reference's parameters (None: the policy's)
+    ep_size: int = 0  # expert parallel: ranks each MoE layer's experts are split over (0: the world size)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The on-disk state of tp / cp / sp runs: DCP shards, the gathered HF folder, the offline reader.
+"""The on-disk state of tp / cp / sp / ep runs: DCP shards, the gathered HF folder, the offline reader.
 
 Inside a ``checkpoint-N`` folder (written by :mod:`hftk.checkpoint.checkpointer` with the scheduler, trainer
 state and every rank's RNG) this module writes ``dcp/`` (model and AdamW state through
@@ -33,7 +33,7 @@ def write_state(folder: Path, layout: Any, optimizer: Any) -> None:
 
     model_state, optim_state = get_state_dict(layout.model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / DCP_DIR))
-    if dist.get_rank() == 0:  # tp / cp / sp run on a device mesh: a process group is always up
+    if dist.get_rank() == 0:  # tp / cp / sp / ep run on a device mesh: a process group is always up
         (folder / LAYOUT_FILE).write_text(json.dumps(layout.describe, indent=1, sort_keys=True))
 
 
