@@ -70,7 +70,7 @@ STRATEGIES: dict[str, StrategySpec] = {
     # before fsdp in auto's order: the same sharded state, but each rank gathers only its own experts
     "ep": StrategySpec("hftk.strategies.expert", "loop", "MULTI_GPU",
                        "Expert parallel x FSDP2 (mixtures of experts): add --strategy ep [--ep_size N] (this launch "
-                       "cannot say it).", lora=False, fixed_shape_batches=True, auto_rank=3, options=("ep_size",),
+                       "cannot say it).", fixed_shape_batches=True, auto_rank=3, options=("ep_size",),
                        reshards_on_resume=True, experts_only=True),
     "pipeline": StrategySpec("hftk.strategies.pipeline", "loop", "MULTI_GPU",
                              "Pipeline stages: add --strategy pipeline --pp_size N (this launch cannot say it itself).",

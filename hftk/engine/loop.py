@@ -601,12 +601,16 @@ def _save_checkpoint(run: Run) -> None:
 
 
 def _write_adapter(step: Any, adapter: tuple[Any, dict[str, tuple[int, ...]]] | None, folder: Path) -> None:
-    """Collective under LoRA: every shard's adapter weights (replica 0's) gathered; rank 0 writes the adapter."""
+    """Collective under LoRA: every shard's adapter weights (replica 0's, or the step's own gather) gathered; rank 0
+    writes the adapter."""
     if adapter is None:
         return
     config, shapes = adapter
-    mine = {n: p.detach() for n, p in step.params if n in shapes} if step.dp_rank == 0 else {}
-    tensors = lora.gather_pieces(mine)
+    if hasattr(step, "adapter_tensors"):  # sharded adapters (expert parallel): gathered by the step, every rank
+        tensors = step.adapter_tensors(set(shapes))
+    else:
+        mine = {n: p.detach() for n, p in step.params if n in shapes} if step.dp_rank == 0 else {}
+        tensors = lora.gather_pieces(mine)
     if dist.get_rank() == 0:
         lora.write_adapter(folder, config, tensors, shapes)
 

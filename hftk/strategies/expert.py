@@ -70,18 +70,87 @@ def experts_modules(model: Any) -> list[Any]:
     return [blocks[i].get_submodule(moe.experts) for i in moe.layers]
 
 
-def shard_experts(experts: Any, ep_mesh: Any) -> None:
-    """Keep this ``ep`` rank's contiguous ``E / ep`` experts, as DTensors ``Shard(0)`` of the whole ``[E, ...]``."""
-    import torch
-    from torch.distributed.tensor import DTensor, Shard
+def experts_core(experts: Any) -> tuple[Any, list[Any]]:
+    """(transformers' experts module, PEFT's ``ParamWrapper`` s around it, outermost first): under LoRA on the
+    experts (``target_parameters``) the spec's path holds one wrapper per adapted weight, nested."""
+    from peft.tuners.lora.layer import ParamWrapper
 
+    wrappers = []
+    while isinstance(experts, ParamWrapper):
+        wrappers.append(experts)
+        experts = experts.base_layer
+    return experts, wrappers
+
+
+def shard_experts(experts: Any, ep_mesh: Any) -> tuple[Any, dict[Any, Any]]:
+    """Keep this ``ep`` rank's contiguous ``E / ep`` experts, as DTensors of the whole ``[E, ...]`` (``Shard(0)``),
+    with their LoRA adapters. PEFT's ``lora_A`` of an ``[E, ...]`` weight stacks ``r`` rows per expert: its rows
+    are split the same way. Its ``lora_B`` interleaves the experts in its columns (``r`` blocks of ``E``), which no
+    contiguous shard holds (DCP refuses a strided one): it stays whole on every ``ep`` rank (``Replicate``, a few
+    KiB), each rank computing with its experts' columns and the gradient summed over the group
+    (:func:`sum_over_ep`).
+
+    Returns (transformers' experts module, its ``num_experts`` and its wrappers' now local; the replicated
+    adapters as ``{lora_B module: its local view}``, what :func:`run_on_local_tensors` hands the forward)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    core, wrappers = experts_core(experts)
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    local = experts.num_experts // ep
-    for name, param in list(experts.named_parameters(recurse=False)):
-        mine = param.detach()[rank * local:(rank + 1) * local].clone()
-        experts._parameters[name] = torch.nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False),
-                                                       requires_grad=param.requires_grad)
-    experts.num_experts = local  # the experts forward indexes local experts (transformers' MoEParamShard does this)
+    total = core.num_experts
+    local = total // ep
+    mine = slice(rank * local, (rank + 1) * local)
+
+    def replace(module: Any, value: torch.Tensor, placement: Any, name: str = "weight") -> None:
+        param = module._parameters[name]
+        module._parameters[name] = torch.nn.Parameter(
+            DTensor.from_local(value.clone(), ep_mesh, [placement], run_check=False), requires_grad=param.requires_grad)
+
+    for name, param in list(core.named_parameters(recurse=False)):
+        replace(core, param.detach()[mine], Shard(0), name)
+    views = {}
+    for wrapper in wrappers:
+        for adapter, r in wrapper.r.items():
+            a, b = wrapper.lora_A[adapter], wrapper.lora_B[adapter]
+            replace(a, a.weight.detach().reshape(total, r, -1)[mine].reshape(local * r, -1), Shard(0))
+            replace(b, b.weight.detach(), Replicate())
+            views[b] = lambda whole, r=r: whole.reshape(whole.shape[0], r, total)[:, :, mine].reshape(whole.shape[0], -1)
+        wrapper.num_experts = local
+    core.num_experts = local  # the experts forward indexes local experts (transformers' MoEParamShard does this)
+    return core, views
+
+
+def run_on_local_tensors(experts: Any, views: dict[Any, Any]) -> None:
+    """``experts``' forward (with its LoRA wrappers) on the local pieces of its DTensor weights (a replicated
+    adapter: its ``views`` slice): the experts' kernels and PEFT's delta weights take plain tensors.
+    transformers' own context (``_use_local_dtensor_params``) swaps one module's parameters back by name, which
+    PEFT's parametrization has moved meanwhile (it registers the weight as ``parametrizations.<name>.original``
+    and leaves a buffer behind when it removes itself): this one swaps the whole subtree and puts each parameter
+    back wherever it went."""
+    import contextlib
+
+    from torch.distributed.tensor import DTensor
+
+    @contextlib.contextmanager
+    def local_tensors() -> Any:
+        swapped = [(m, n, p) for m in experts.modules() for n, p in m._parameters.items() if isinstance(p, DTensor)]
+        for module, name, param in swapped:
+            local = param.to_local()  # differentiable: gradients reach the DTensor parameter
+            module._parameters[name] = views[module](local) if module in views else local
+        try:
+            yield
+        finally:
+            for module, name, param in swapped:
+                module._buffers.pop(name, None)
+                module._parameters[name] = param
+
+    forward = experts.forward
+
+    def local_forward(*args: Any, **kwargs: Any) -> Any:
+        with local_tensors():
+            return forward(*args, **kwargs)
+
+    experts.forward = local_forward
 
 
 def counted_all_to_all(stats: Any, ep_mesh: Any) -> Any:
@@ -135,6 +204,7 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
 
     from hftk.comm.accounting import CommStats
     from hftk.comm.callback import StepCommCallback
+    from hftk.comm.collectives import all_reduce_flat
     from hftk.models.layout import layout as decoder_layout
     from hftk.models.moe import spec_moe
     from hftk.strategies.fsdp import apply_fsdp
@@ -148,20 +218,32 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
     stats = CommStats(world_size=dims.ep, arrival_timed=device_type == "cpu")
     reshard = cfg.strategy.fsdp_reshard_after_forward
     experts = experts_modules(model)
+    replicated = []  # lora_B modules of the experts, whole on every ep rank
     for module in experts:
         if dims.ep > 1:
-            shard_experts(module, mesh["ep"])
-            dispatch_tokens(module, mesh, stats)
+            core, views = shard_experts(module, mesh["ep"])
+            dispatch_tokens(core, mesh, stats)
+            run_on_local_tensors(module, views)
+            replicated += list(views)
         if dims.dp_shard_mod_ep > 1:
             fully_shard(module, mesh=mesh["dp_shard_mod_ep"], reshard_after_forward=reshard)
             module.set_gradient_divide_factor(float(world))  # all ranks' tokens reached them: mean over the world
+            if device_type == "cpu":  # gloo has no PREMUL_SUM: a plain sum, divided after
+                module.set_force_sum_reduction_for_comms(True)
     # experts no FSDP2 unit holds (each on one rank, ep_size = world size): their gradient is the sum over every
     # rank's tokens, which the loss scale (world) makes world times the mean
     own = [p for m in experts for p in m.parameters()] if dims.dp_shard_mod_ep == 1 < dims.ep else []
     apply_fsdp(model, list(decoder_layout(model).blocks), dp_mesh, reshard, ignored=set(own) or None)
     own = [p for p in own if p.requires_grad]
 
-    def mean_of_own_experts() -> None:
+    ep_group = mesh["ep"].get_group()
+
+    def reduce_experts() -> None:
+        """The replicated adapters' gradients (each rank's experts' columns) summed over the ep group; the experts
+        no FSDP2 unit reduces made a mean over the world."""
+        summed = [m.weight.grad.to_local() for m in replicated if m.weight.grad is not None]
+        if summed:
+            all_reduce_flat(summed, ep_group)
         grads = [p.grad.to_local() for p in own if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, 1.0 / world)
@@ -182,7 +264,7 @@ def layout(model: Any, cfg: RunConfig, device_type: str) -> Any:
         describe={"strategy": "ep", "ep_size": dims.ep, "dp_shard_size": world,
                   "dp_shard_mod_ep_size": dims.dp_shard_mod_ep, "experts_per_rank": moe.num_experts // dims.ep,
                   "num_experts": moe.num_experts, "family": model.config.model_type},
-        reduce_grads=mean_of_own_experts,
+        reduce_grads=reduce_experts,
         # the experts' own groups at every degree (their mesh is ep's or, at ep_size 1, the dense parts')
         param_group=lambda param: "experts" if id(param) in experts_params else "dense",
         callbacks=[StepCommCallback(stats, COMM_PREFIX)] if dims.ep > 1 else [],

@@ -260,6 +260,10 @@ class MeshStep:
         return float((all_reduce_sum(total, layout.data_groups) / tokens
                       + all_reduce_sum(balance, layout.data_groups)))
 
+    def adapter_tensors(self, names: set[str]) -> dict[str, torch.Tensor]:
+        """Collective (every rank, the same order): the LoRA weights ``names`` whole, as CPU tensors."""
+        return {n: plain(p.detach()).to("cpu", copy=True) for n, p in self.params if n in names}
+
     def clip_gradients(self, max_norm: float) -> float:
         return clip_grad_norm(self.layout.model, max_norm)
 
@@ -290,12 +294,13 @@ class MeshStep:
 
     def consolidated_model(self, adapter: Any = None) -> torch.nn.Module | None:
         """Collective: every shard gathered to rank 0, which gets a one-process HF model of the current weights
-        (in host memory: the engine places it; the other ranks get None). Generation samples run on it: a tensor-, context- or
-        sequence-parallel forward takes whole sequences of fixed shapes, not ``generate``'s growing ones.
-        ``adapter`` is always None here: tp, cp and sp refuse LoRA."""
+        (in host memory: the engine places it; the other ranks get None). Generation samples run on it: a tensor-,
+        context-, sequence- or expert-parallel forward needs every rank in each step, not ``generate``'s loop on
+        one. ``adapter``: the run's PEFT config (LoRA, which of these strategies only ep trains): the copy is
+        the base with that adapter."""
         from hftk.strategies.mesh_checkpoint import gathered_model
 
-        return gathered_model(self.layout)
+        return gathered_model(self.layout, adapter)
 
 
 def mesh_step(model: torch.nn.Module, cfg: Any, args: Any, build_layout: Callable[..., MeshLayout]) -> MeshStep:

@@ -58,12 +58,13 @@ def _full_state(layout: Any) -> dict[str, torch.Tensor]:
 PLAIN_SDPA = "hftk_plain_sdpa"  # transformers' own SDPA attention and mask, under a name no strategy replaces
 
 
-def gathered_model(layout: Any) -> torch.nn.Module | None:
+def gathered_model(layout: Any, adapter: Any = None) -> torch.nn.Module | None:
     """Collective: rank 0 gets a runnable one-process HF model of the layout's current weights; the others None.
 
     It attends as a one-process model does: cp's ring attention (causal, no mask: wrong for a one-token query
     over a KV cache) and sp's Ulysses (which takes over "sdpa" in this process and would wait for the other
-    ranks) are replaced by transformers' plain SDPA, registered under :data:`PLAIN_SDPA`."""
+    ranks) are replaced by transformers' plain SDPA, registered under :data:`PLAIN_SDPA`. ``adapter``: the run's
+    PEFT config: the copy is the base with that adapter (the live model is a PeftModel)."""
     import copy
 
     from transformers import AttentionInterface
@@ -73,6 +74,10 @@ def gathered_model(layout: Any) -> torch.nn.Module | None:
     full = _full_state(layout)
     if dist.get_rank() != 0:
         return None
+    if adapter is not None:
+        from hftk.models.lora import peft_model_from
+
+        return peft_model_from(layout.model.config, adapter, full)
     config = copy.deepcopy(layout.model.config)
     if config._attn_implementation not in ("eager", "flash_attention_2", "flash_attention_3"):
         AttentionInterface.register(PLAIN_SDPA, sdpa_attention_forward)

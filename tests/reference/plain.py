@@ -110,10 +110,17 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
         conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())  # GPT-2 stores (in, out)
         # a mixture of experts' fused expert weights: 3-D parameters (expert dimension first), by their last names
         experts = sorted({".".join(n.split(".")[-3:]) for n, p in model.named_parameters() if p.ndim == 3})
+        # beside them, every nn.Linear but the head by name (what all-linear selects): PEFT maps the keyword
+        # all-linear on a transformers-5 mixture of experts through its v4 names, adding the router (a v4 Linear
+        # named gate, a plain module in v5) as a target parameter
+        head = model.get_output_embeddings()
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear) and m is not head})
         torch.manual_seed(args.seed)
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=16, lora_dropout=0.0, bias="none",
-                                                 target_modules="all-linear", fan_in_fan_out=conv1d,
-                                                 target_parameters=experts or None, task_type="CAUSAL_LM"))
+                                                 target_modules=linear if experts else "all-linear",
+                                                 fan_in_fan_out=conv1d, target_parameters=experts or None,
+                                                 task_type="CAUSAL_LM"))
     return model, AutoTokenizer.from_pretrained(args.model)
 
 
@@ -154,9 +161,10 @@ def run_loop(args: argparse.Namespace, model: Any, train: Any, held_out: Any) ->
     per_epoch = len(train) // args.batch_size
     out: dict[str, Any] = {"losses": {}, "grad_norms": {}, "learning_rates": {}}
     moe = {}
-    if hasattr(model, "router_aux_loss_coef"):  # a mixture of experts: its balancing loss, mean over micro-batches
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT: the model inside
+    if hasattr(causal, "router_aux_loss_coef"):  # a mixture of experts: its balancing loss, mean over micro-batches
         moe = {"output_router_logits": True}
-        model.router_aux_loss_coef = model.config.router_aux_loss_coef / args.micro_batches
+        causal.router_aux_loss_coef = causal.config.router_aux_loss_coef / args.micro_batches
     for step in range(1, args.max_steps + 1):
         epoch, i = divmod(step - 1, per_epoch)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed + epoch))
