@@ -1,4 +1,4 @@
-"""``hftk bench {scaling,batch,overhead,memory,comm,pipeline,data,startup,all} [options] [-- hftk train options]``.
+"""``hftk bench {scaling,batch,overhead,memory,comm,pipeline,data,startup,moe,all} [options] [-- hftk train options]``.
 
 Each sub-bench's options come from its ``run_<name>_bench`` signature (name, default, type), so a
 bench module needs no CLI code of its own. ``all`` runs every bench into one report folder with
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from hftk.core.errors import HftkError
 
-BENCHES = ("scaling", "memory", "comm", "pipeline", "batch", "overhead", "data", "startup")
+BENCHES = ("scaling", "memory", "comm", "pipeline", "batch", "overhead", "data", "startup", "moe")
 SHARED = ("model", "block_size", "nproc", "timeout")
 # `hftk bench all` on its defaults must finish in < 15 min on the 2-core CPU machine; these
 # override single-bench defaults where the full versions would not fit.
