@@ -29,6 +29,7 @@ ALL_DEFAULTS: dict[str, dict[str, Any]] = {
     "overhead": {"repeats": 3, "steps": 12},
     "batch": {"max_micro_batch": 32, "global_batch": 32},
     "data": {"examples": 300},
+    "moe": {"implementations": ["eager"]},  # batched_mm's row (the slowest by far) only in `hftk bench moe`
 }
 # Help of the options several benches share; a bench's OPTION_HELP adds its own (and may reword these).
 COMMON_HELP = {"model": "model to train (hftk train --model_name_or_path)", "block_size": "tokens per sequence",
