@@ -12,12 +12,16 @@ two flattened. In fixed order, from outside the model code:
    all-to-all, the rank's experts run on what they received, the outputs come back by a second all-to-all and
    are weighted by the router on the rank that holds the token. No capacity limit and no token dropped: the
    math is the model's own. The router and any shared experts stay in the block;
-2. FSDP2 on each experts module over ``dp_shard_mod_ep`` (the ranks holding the same experts; with
-   ``ep_size`` = world size one rank each), its gradients divided by the whole world (torchtitan's divide
-   factor): every rank's tokens reach the experts through the all-to-all, so their gradient is already the sum
-   over the ``ep`` group;
+2. when ``ep_size`` is below the world size, FSDP2 on each experts module over ``dp_shard_mod_ep`` (the ranks
+   holding the same experts), its gradients divided by the whole world (torchtitan's divide factor): every
+   rank's tokens reach the experts through the all-to-all, so their gradient is already the sum over the ``ep``
+   group. At ``ep_size`` = world size each expert has one holder: no FSDP2 unit takes it, and its gradient is
+   made the same mean after backward (``reduce_grads``);
 3. FSDP2 on every decoder block and the root over ``dp_shard``, the dense parts (attention, router, shared
    experts, embeddings) sharded as under strategy fsdp.
+
+Under LoRA the experts' adapters follow their experts (:func:`shard_experts`) and the attention adapters are
+FSDP2-sharded and averaged over the world like the rest of the dense parts.
 
 ``ep_size 1`` keeps every expert on every rank's FSDP2 shard (no all-to-all): strategy fsdp's layout on this
 loop, which a checkpoint of another ep size resumes from (DCP reshards the experts onto the new split).
