@@ -64,7 +64,8 @@ def options_page() -> str:
         "Every value is checked (type, range, choice) before any process starts: one line naming the option and "
         "the fix, exit status 2. `hftk train --help` prints the same options.", "",
         "Sections: " + ", ".join(f"[{key}](#{name})" for name, key in yaml_keys.items() if name == key)
-        + ", [training](#training) (`TrainingArguments`, and the [preference](#preference) options).", "",
+        + ", [training](#training) (`TrainingArguments`, and the [preference](#preference) and [rl](#rl) options).",
+        "",
     ]
     for name, cls in SECTIONS.items():
         key = yaml_keys[name]
@@ -89,7 +90,8 @@ def options_page() -> str:
         "is one line, exit 2), and `TrainingArguments`' own checks run there as well;",
         "- `--report_to` takes several reporters (`--report_to wandb tensorboard` or `wandb,tensorboard`), or "
         "`none`;",
-        "- the [preference](#preference) options (`method`, `beta`, ...) are written under `training:` in YAML;",
+        "- the [preference](#preference) options (`method`, `beta`, ...) and the [rl](#rl) options (`reward_funcs`, "
+        "`num_generations`, ...) are written under `training:` in YAML;",
         "- the strategies that run on hftk's own loop instead of the Trainer (tp, cp and sp) honour only the fields "
         "listed at the end of this page and refuse any other one you set, by name, before launch.", "",
         "| option | hftk's default | transformers' default |", "|---|---|---|",

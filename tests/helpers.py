@@ -160,7 +160,8 @@ def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout:
     of its own (:func:`torchrun`). ``options[name]`` adds to cell ``name``: ``copy`` ([src, dst] copied before
     it, e.g. an earlier cell's checkpoint into a resuming cell's folder), ``env`` (variables it runs with, e.g.
     what ``accelerate launch`` of a strategy's YAML sets), ``memory_out`` (a file: the run goes through
-    ``hftk bench memory``'s worker, which trains with its probe and writes its record there). Each cell gets
+    ``hftk bench memory``'s worker, which trains with its probe and writes its record there), ``script`` (a test
+    worker that runs scripts/finetune.py's ``main`` with a test hook installed). Each cell gets
     ``timeout`` s (DeepSpeed's first use on a machine builds its C++ ops for minutes). Returns each cell's
     output (stdout + stderr of its ranks); asserts every cell succeeded."""
     outputs: dict[str, str] = {}
@@ -169,7 +170,7 @@ def finetune_cells(nproc: int, cells: dict[str, list[str]], root: Path, timeout:
         if "copy" in extra:
             shutil.copytree(*extra["copy"])
         argv = [*TINY_ARGS, *args]
-        script = FINETUNE
+        script = extra.get("script", FINETUNE)
         if "memory_out" in extra:
             script, argv = MEMORY_WORKER, [*argv, "--memory_out", str(extra["memory_out"])]
         result = torchrun(nproc, script, argv, timeout=timeout, env={**(env or {}), **extra.get("env", {})})
@@ -442,10 +443,11 @@ def shell_commands(block: str) -> list[tuple[list[str], str | None]]:
 
 
 def doc_project(root: Path) -> Path:
-    """A folder to run documented commands in, as from the repository root: ``scripts``, ``accelerate_configs``
-    and ``.venv`` are the repository's (links); what a command writes (``outputs/``, data files) stays here."""
+    """A folder to run documented commands in, as from the repository root: ``scripts``, ``accelerate_configs``,
+    ``examples`` and ``.venv`` are the repository's (links); what a command writes (``outputs/``, data files) stays
+    here."""
     root.mkdir(parents=True, exist_ok=True)
-    for name in ("scripts", "accelerate_configs", ".venv"):
+    for name in ("scripts", "accelerate_configs", "examples", ".venv"):
         (root / name).symlink_to(ROOT / name)
     return root
 

@@ -12,6 +12,10 @@ file a strategy (DeepSpeed shards, FSDP DCP) or callback (compression state) wri
 checkpoint" lands in the staging folder; after a barrier the publisher renames it into place.
 Loops without the Trainer (pipeline) call :func:`atomic_save`; any folder that must appear
 whole (``final``) is written through :func:`staged_folder`.
+
+Every such save is one :func:`saving` region: a failure on any rank, wherever in the save it strikes
+(a strategy's check, a library's write, a callback), reaches every rank as one line within seconds and
+every rank exits, none left in a collective the failing rank skipped (:mod:`hftk.comm.rank_failure`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import shutil
 import sys
 import time
 import zipfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -37,7 +41,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from hftk import __version__
-from hftk.comm.collectives import gather_objects
+from hftk.comm.rank_failure import FailureWatch, first_posted, watching
 from hftk.core.errors import HftkError
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -299,20 +303,41 @@ def staged_folder(final: Path, publisher: bool, step: int | None = None,
                   global_batch: int | None = None) -> Iterator[Path]:
     """Collective: every rank writes into the yielded staging folder; on exit it appears as ``final``.
 
-    Nothing is published when the body raises: ``final`` keeps its previous content, if any.
+    Nothing is published when the body raises on any rank: ``final`` keeps its previous content, if any,
+    and every rank raises the one line (:func:`saving`).
     """
     final = Path(final)
     staged = staging_root(final.parent) / final.name
-    if publisher:
-        if staged.exists():
-            shutil.rmtree(staged)
-        staged.mkdir(parents=True)
-    _barrier()
-    with _settled(final, staged, publisher):
-        yield staged
-    if publisher:
-        publish(staged, final, step, global_batch)
-    _barrier()  # nobody moves on before the folder is in place
+    with saving(final, staged, publisher) as watch:
+        if publisher:
+            if staged.exists():
+                shutil.rmtree(staged)
+            staged.mkdir(parents=True)
+        _barrier()
+        with _settled(final, staged, publisher, watch):
+            yield staged
+        if publisher:
+            with watch.uncut():
+                publish(staged, final, step, global_batch)
+        _barrier()  # nobody moves on before the folder is in place
+
+
+class SaveFailed(HftkError):
+    """A save's failure as every rank reports it: already the one line (never described again)."""
+
+
+@contextmanager
+def saving(final: Path, staged: Path, publisher: bool) -> Iterator[FailureWatch]:
+    """Collective: one save of ``final`` (written into ``staged``), from its start to its publication.
+
+    Any rank's failure in it reaches every rank as one line (:func:`save_failure`): ranks that meet at
+    the settle (:func:`settle_write`) raise it there; a rank left waiting in a collective that the failing
+    rank skipped (a library's gather or barrier) reports it within seconds and exits
+    (:class:`hftk.comm.rank_failure.FailureWatch`), the publisher after removing the staged folder.
+    """
+    with watching(functools.partial(save_failure, final, staged), choose=_reported,
+                  on_stuck=functools.partial(_discard, staged) if publisher else None) as watch:
+        yield watch
 
 
 _held_failures: list[BaseException] | None = None  # while a save runs: this rank's write failures, held
@@ -342,59 +367,103 @@ def held_until_settled(write: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextmanager
 def holding_write_failures() -> Iterator[None]:
-    """Hold failures of :func:`held_until_settled` writes for the body; raise the first one at its end."""
+    """Hold failures of :func:`held_until_settled` writes for the body; raise the first one at its end (also
+    when the body raised later)."""
     global _held_failures
-    _held_failures = []
+    _held_failures = held = []
     try:
         yield
-        if _held_failures:
-            raise _held_failures[0]
+    except BaseException as exc:
+        if held:  # what failed later (a check of the file that was not written) follows from the held failure
+            raise held[0] from exc
+        raise
     finally:
         _held_failures = None
+    if held:
+        raise held[0]
 
 
 SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file size limit
+ROOM_FIX = ("free space there (or raise the file size limit, `ulimit -f`), then rerun with "
+            "--resume_from_checkpoint latest.")  # a failure that ran out of room says this
 
 
 @contextmanager
-def _settled(final: Path, staged: Path, publisher: bool) -> Iterator[None]:
-    """Collective: the body writes this rank's part of ``staged``; its failure (or none) is settled on every
-    rank by :func:`settle_write`, so no rank is left waiting in a barrier. An interpreter stop passes straight
-    through; not just ``Exception`` is settled: DCP gathers every rank's write failure into a
-    ``CheckpointException``, which derives from ``BaseException``."""
+def _settled(final: Path, staged: Path, publisher: bool, watch: FailureWatch) -> Iterator[None]:
+    """Collective: the body writes this rank's part of ``staged`` (write failures held to its end,
+    :func:`held_until_settled`); its failure (or none) is settled on every rank by :func:`settle_write`. An
+    interpreter stop passes straight through; not just ``Exception`` is settled: DCP gathers every rank's
+    write failure into a ``CheckpointException``, which derives from ``BaseException``."""
     try:
-        yield
+        with holding_write_failures():
+            yield
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as exc:
-        settle_write(final, staged, exc, publisher)
-    settle_write(final, staged, None, publisher)
+        settle_write(final, staged, watch.fail(exc, functools.partial(save_failure, final, staged)), publisher, watch)
+    settle_write(final, staged, None, publisher, watch)
 
 
-def settle_write(final: Path, staged: Path, error: BaseException | None, publisher: bool) -> None:
+def settle_write(final: Path, staged: Path, failure: HftkError | None, publisher: bool, watch: FailureWatch) -> None:
     """Collective, once every rank has written (or failed to write) its part of ``staged``.
 
-    One ``all_gather_object`` of each rank's failure (None when it wrote everything). When any rank
-    failed, the staged folder is removed (the previous checkpoints and ``latest`` stay as they were)
-    and every rank raises: the one-line :class:`HftkError` when a write ran out of room (disk full,
-    quota, ``RLIMIT_FSIZE``), naming the folder and the bytes it needs; otherwise the error itself.
+    Every rank meets the others with its failure line (None when it wrote everything) through the store
+    (:meth:`FailureWatch.settle`: a rank that failed never enters a collective the others are not in). When any
+    rank failed, the staged folder is removed (the previous checkpoints, ``latest`` and ``final`` stay as they
+    were) and every rank raises one line (:func:`save_failure`, :func:`_reported`).
     """
-    mine = None if error is None else (_out_of_room(final, staged, error), f"{type(error).__name__}: {error}")
-    failures = [r for r in gather_objects(mine) if r is not None]
-    if not failures:
+    reported = watch.settle(failure)
+    if reported is None:
         return
     if publisher:
-        shutil.rmtree(staged, ignore_errors=True)
-        if staged.parent.is_dir() and not any(staged.parent.iterdir()):
-            staged.parent.rmdir()
-    _barrier()
-    if room := next((line for line, _ in failures if line), None):
-        raise HftkError("training.output_dir", room,
-                        "free space there (or raise the file size limit, `ulimit -f`), then rerun with "
-                        "--resume_from_checkpoint latest.")
-    if error is not None:
-        raise error
-    raise RuntimeError(f"writing {final} failed on another rank: {failures[0][1]}")
+        _discard(staged)
+    watch.own_stack(reported)
+    raise SaveFailed(reported.field, reported.problem, reported.fix)
+
+
+def _reported(failures: list[tuple[int, HftkError]]) -> HftkError:
+    """The line every rank reports when several failed: a full disk's (the lowest rank's: the others may only
+    have read of it, DCP's exception carries every rank's), as it explains the others; else the first posted."""
+    rooms = [(rank, failure) for rank, failure in failures if failure.fix == ROOM_FIX]
+    return min(rooms, key=lambda room: room[0])[1] if rooms else first_posted(failures)
+
+
+def _discard(staged: Path) -> None:
+    """Remove an unfinished save (and the staging root once empty)."""
+    shutil.rmtree(staged, ignore_errors=True)
+    if staged.parent.is_dir() and not any(staged.parent.iterdir()):
+        staged.parent.rmdir()
+
+
+def save_failure(final: Path, staged: Path, error: BaseException) -> HftkError:
+    """The one line every rank reports when ``error`` (this rank's) stopped the save of ``final``.
+
+    A write that ran out of room (disk full, quota, ``RLIMIT_FSIZE``) names the folder and the bytes it
+    needs; an hftk error keeps its field and fix, said of this save and rank; anything else (a bug) is
+    named by its type and message, raised from it (its stack is printed on its rank when the line reported is
+    this one: :meth:`FailureWatch.own_stack`).
+    """
+    if isinstance(error, SaveFailed):
+        return error
+    where = f"saving {final} failed" + (f" on rank {_rank()}" if _world() > 1 else "")
+    if room := _out_of_room(final, staged, error):
+        return SaveFailed("training.output_dir", room, ROOM_FIX)
+    if isinstance(error, HftkError):
+        return SaveFailed(error.field, f"{where}: {error.problem} ({_kept(final)})", error.fix)
+    message = str(error).strip().splitlines()
+    failure = SaveFailed("training.output_dir", f"{where}: {type(error).__name__}"
+                         f"{': ' + message[0] if message else ''} ({_kept(final)}).",
+                         f"the traceback above (rank {_rank()}) shows where; fix that, then rerun.")
+    failure.__cause__ = error  # the stack the line points at (FailureWatch.own_stack)
+    return failure
+
+
+def _kept(final: Path) -> str:
+    """What the user still has after a failed save of ``final``."""
+    if CHECKPOINT_RE.match(final.name):
+        latest = list_checkpoints(final.parent)
+        return f"{latest[-1].name} is intact and still the latest" if latest else "no earlier checkpoint exists"
+    return f"{final} keeps its previous content" if final.exists() else f"nothing was written to {final}"
 
 
 def _out_of_room(final: Path, staged: Path, error: BaseException) -> str | None:
@@ -418,10 +487,8 @@ def _out_of_room(final: Path, staged: Path, error: BaseException) -> str | None:
            errno.EFBIG: "a file outgrew the file size limit"}[code]
     if code == errno.EFBIG and soft != resource.RLIM_INFINITY:
         why += f" (RLIMIT_FSIZE: {soft} bytes per file)"
-    latest = list_checkpoints(final.parent)
-    kept = f"{latest[-1].name} is intact and still the latest" if latest else "no earlier checkpoint exists"
     return (f"saving {final} failed: {why}. It needs about {total} bytes ({source}), {free} bytes are free "
-            f"there; the unfinished save was removed, {kept}.")
+            f"there; the unfinished save was removed, {_kept(final)}.")
 
 
 def _space_errno(error: BaseException | None) -> int | None:
@@ -469,37 +536,45 @@ def install_atomic_checkpoints(trainer: Any, after_publish: Callable[[Path], Non
     ``_save_checkpoint`` runs with ``args.output_dir`` pointing at the staging root (write failures
     held to its end, :func:`held_until_settled`; ``_save``, rank 0's model file, is one), and
     ``callback_handler.on_save`` publishes once every ``on_save`` callback has written its files.
-    The Trainer's own rotation sees only the staging folder; :func:`rotate` applies
+    Both run in one :func:`saving` region: a failure on any rank, there or in a callback, reaches every
+    rank. The Trainer's own rotation sees only the staging folder; :func:`rotate` applies
     ``save_total_limit`` to complete checkpoints, and only after the new one is in place.
     """
     save_checkpoint = trainer._save_checkpoint
     on_save = trainer.callback_handler.on_save
-    saving: dict[str, Path] = {}
+    current: dict[str, Any] = {}  # the save in progress: its folders and region (an ExitStack), until published
 
     def staged_save_checkpoint(model: Any, trial: Any) -> None:
         output_dir = Path(trainer.args.output_dir)
         staged = staging_root(output_dir) / f"checkpoint-{trainer.state.global_step}"
-        if trainer.args.should_save and staged.exists():
-            shutil.rmtree(staged)  # a save of this step cut short before a restart
-        _barrier()
-        saving.update(output_dir=output_dir, staged=staged)
-        trainer.args.output_dir = str(staging_root(output_dir))
+        final, publisher = output_dir / staged.name, trainer.args.should_save
+        region = ExitStack()
+        watch = region.enter_context(saving(final, staged, publisher))
+        current.update(output_dir=output_dir, staged=staged, region=region, watch=watch)
         try:
-            with _settled(output_dir / staged.name, staged, trainer.args.should_save), holding_write_failures():
+            if publisher and staged.exists():
+                shutil.rmtree(staged)  # a save of this step cut short before a restart
+            _barrier()
+            trainer.args.output_dir = str(staging_root(output_dir))
+            with _settled(final, staged, publisher, watch):
                 save_checkpoint(model, trial)
         except BaseException:
             trainer.args.output_dir = str(output_dir)
-            saving.clear()
-            raise
+            current.clear()
+            with region:  # the region posts the failure and raises it as the one line
+                raise
 
     def on_save_then_publish(args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        try:
-            control = on_save(args, state, control, **kwargs)
-        finally:
-            if saving:
-                trainer.args.output_dir = str(saving["output_dir"])
-        if saving:
-            _publish_trainer_checkpoint(trainer, saving.pop("output_dir"), saving.pop("staged"), after_publish)
+        if not current:
+            return on_save(args, state, control, **kwargs)
+        save = dict(current)
+        current.clear()
+        with save["region"]:
+            try:
+                control = on_save(args, state, control, **kwargs)
+            finally:
+                trainer.args.output_dir = str(save["output_dir"])
+            _publish_trainer_checkpoint(trainer, save["output_dir"], save["staged"], save["watch"], after_publish)
         return control
 
     trainer._save_checkpoint = staged_save_checkpoint
@@ -507,7 +582,7 @@ def install_atomic_checkpoints(trainer: Any, after_publish: Callable[[Path], Non
     trainer.callback_handler.on_save = on_save_then_publish
 
 
-def _publish_trainer_checkpoint(trainer: Any, output_dir: Path, staged: Path,
+def _publish_trainer_checkpoint(trainer: Any, output_dir: Path, staged: Path, watch: FailureWatch,
                                 after_publish: Callable[[Path], None] | None) -> None:
     state, args = trainer.state, trainer.args
     final = output_dir / staged.name
@@ -518,8 +593,9 @@ def _publish_trainer_checkpoint(trainer: Any, output_dir: Path, staged: Path,
     if args.should_save:
         if best != state.best_model_checkpoint and (staged / "trainer_state.json").exists():
             state.save_to_json(str(staged / "trainer_state.json"))
-        publish(staged, final, state.global_step,
-                global_batch=args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size)
+        with watch.uncut():
+            publish(staged, final, state.global_step,
+                    global_batch=args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size)
         rotate(output_dir, args.save_total_limit, protect=(state.best_model_checkpoint, str(final)))
         if after_publish is not None:
             after_publish(final)

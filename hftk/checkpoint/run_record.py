@@ -45,6 +45,11 @@ def run_record(cfg: Any, args: Any, world_size: int, data_format: str, step: int
         hyper.update(lora_r=cfg.model.lora_r, lora_alpha=cfg.model.lora_alpha, lora_dropout=cfg.model.lora_dropout)
     if cfg.preference.method == "dpo":
         hyper.update(method="dpo", beta=cfg.preference.beta, loss_type=cfg.preference.loss_type)
+    if cfg.preference.method == "grpo":
+        r = cfg.rl
+        hyper.update(method="grpo", beta=cfg.preference.beta, loss_type=cfg.preference.loss_type,
+                     reward_funcs=",".join(r.reward_funcs or []), num_generations=r.num_generations or 8,
+                     max_completion_length=r.max_completion_length or 512, temperature=cfg.samples.temperature)
     return {"hftk_version": __version__, "config": cfg.to_dict(), "world_size": world_size,
             "data_parallel_size": replicas, "data_format": data_format,
             "datasets": describe_datasets(cfg.data), "hyperparameters": hyper, "global_step": step,
@@ -109,9 +114,9 @@ def model_card(record: dict[str, Any], repo_id: str | None) -> str:
     if any(is_hub_id(d["path"]) for d in sources):
         meta["datasets"] = [d["path"] for d in sources if is_hub_id(d["path"])]
     world, hyper = record["world_size"], record["hyperparameters"]
-    dpo = hyper.get("method") == "dpo"
-    if dpo:
-        meta["tags"].insert(2, "dpo")
+    method = hyper.get("method")
+    if method in ("dpo", "grpo"):
+        meta["tags"].insert(2, method)
     name = repo_id.split("/")[-1] if repo_id else "fine-tuned model"
     lines = [
         "---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "",
@@ -132,7 +137,10 @@ def model_card(record: dict[str, Any], repo_id: str | None) -> str:
         + (f", {record['data_parallel_size']} data-parallel replica(s)"
            if record.get("data_parallel_size", world) != world else ""),
         *([f"- method: **DPO** (Direct Preference Optimization, TRL's DPOTrainer), beta {hyper['beta']}, "
-           f"loss {hyper['loss_type']}"] if dpo else []),
+           f"loss {hyper['loss_type']}"] if method == "dpo" else []),
+        *([f"- method: **GRPO** (Group Relative Policy Optimization, TRL's GRPOTrainer), rewards "
+           f"`{hyper['reward_funcs']}`, {hyper['num_generations']} completions per prompt, beta {hyper['beta']}, "
+           f"loss {hyper['loss_type']}"] if method == "grpo" else []),
         f"- optimizer steps: {record['global_step']}", "",
         "| hyperparameter | value |", "|---|---|",
         *[f"| {k} | {v} |" for k, v in hyper.items()], "",

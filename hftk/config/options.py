@@ -231,8 +231,10 @@ class SamplesConfig:
     sample_max_new_tokens: int = _opt(64, "Most new tokens per sample (a sample that reaches it stops with 'length').")
     do_sample: bool = _opt(False, "Samples: sample (GenerationConfig do_sample) instead of greedy decoding, seeded "
                            "from training.seed and the step.")
-    temperature: float = _opt(1.0, "Samples: sampling temperature (GenerationConfig temperature; needs do_sample).")
-    top_p: float = _opt(1.0, "Samples: nucleus sampling mass in (0, 1] (GenerationConfig top_p; needs do_sample).")
+    temperature: float = _opt(1.0, "Sampling temperature (GenerationConfig temperature): the samples' (needs "
+                              "do_sample) and, under --method grpo, the rollouts' (GRPOConfig temperature).")
+    top_p: float = _opt(1.0, "Nucleus sampling mass in (0, 1] (GenerationConfig top_p): the samples' (needs do_sample) "
+                        "and, under --method grpo, the rollouts' (GRPOConfig top_p).")
 
 
 @dataclass
@@ -252,22 +254,32 @@ class ResilienceConfig:
         "stop", "On a NaN/Inf loss: 'skip' the step, or 'stop' with a checkpoint.", choices=["skip", "stop"])
 
 
-# TRL 1.16's DPOConfig loss types (trl/trainer/dpo_config.py); tests/unit/config/test_options.py reads them back.
+# TRL 1.16's DPOConfig / GRPOConfig loss types (trl/trainer/{dpo,grpo}_config.py); tests/unit/config/test_options.py
+# and test_preference.py read them back from TRL's help text.
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
                   "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+METHODS = ("sft", "dpo", "grpo")
+# Each method's TRL default, where an option left unset means something per method (DPOConfig / GRPOConfig's own).
+METHOD_DEFAULTS = {"dpo": {"beta": 0.1, "loss_type": "sigmoid"}, "grpo": {"beta": 0.0, "loss_type": "dapo"}}
 
 
 @dataclass
 class PreferenceConfig:
-    """Preference tuning (TRL's DPOTrainer); the YAML keeps these under ``training:`` (``training.method``)."""
+    """Preference tuning (TRL's DPOTrainer) and the objective itself; the YAML keeps these under ``training:``
+    (``training.method``)."""
 
-    method: str = _opt("sft", "Training objective: sft (supervised fine-tuning on text / conversations) or dpo "
-                       "(Direct Preference Optimization on prompt / chosen / rejected pairs, TRL's DPOTrainer).",
-                       choices=["sft", "dpo"])
-    beta: float = _opt(0.1, "DPO: how far the policy may move from the reference (higher: closer); for loss_type "
-                       "ipo the regulariser tau.")
-    loss_type: str = _opt("sigmoid", "DPO: the pairwise loss, one of TRL's: " + ", ".join(DPO_LOSS_TYPES) + ".",
-                          choices=list(DPO_LOSS_TYPES))
+    method: str = _opt("sft", "Training objective: sft (supervised fine-tuning on text / conversations), dpo "
+                       "(Direct Preference Optimization on prompt / chosen / rejected pairs, TRL's DPOTrainer) or grpo "
+                       "(online reinforcement learning on prompts scored by --reward_funcs, TRL's GRPOTrainer).",
+                       choices=list(METHODS))
+    beta: float | None = _opt(None, "DPO: how far the policy may move from the reference (higher: closer); for "
+                              "loss_type ipo the regulariser tau (default 0.1). GRPO: the KL penalty towards the "
+                              "starting model (default 0.0, TRL's: no reference model is held).")
+    loss_type: str | None = _opt(
+        None, "DPO: the pairwise loss, one of TRL's: " + ", ".join(DPO_LOSS_TYPES) + " (default sigmoid). GRPO: how "
+        "token losses are aggregated, one of TRL's: " + ", ".join(GRPO_LOSS_TYPES) + " (default dapo).",
+        choices=[*DPO_LOSS_TYPES, *GRPO_LOSS_TYPES])
     max_length: int | None = _opt(None, "DPO: most tokens of prompt + completion; longer pairs are dropped or "
                                   "truncated (keep_start, TRL's) as data.truncation says, with a summary line. "
                                   "Default: data.block_size.")
@@ -278,11 +290,48 @@ class PreferenceConfig:
         "is the base with the adapter disabled (no second copy), so it must be unset.")
 
 
+@dataclass
+class RLConfig:
+    """Online RL with rewards the user writes (``--method grpo``, TRL's GRPOTrainer and GRPOConfig's names); the
+    YAML keeps these under ``training:``. Unset: TRL's default. The rollouts sample with ``--temperature`` and
+    ``--top_p`` (the samples section's options, GRPOConfig's names); ``--beta`` and ``--loss_type`` are shared with
+    DPO; prompts are at most ``data.block_size`` tokens."""
+
+    reward_funcs: list[str] | None = _opt(
+        None, "GRPO: the reward functions, FILE.py:NAME, package.module:NAME or the name of one TRL ships "
+        "(accuracy_reward, reasoning_accuracy_reward, think_format_reward); several comma-separated or as a list. Each "
+        "is a TRL reward function: called with completions=, prompts=, completion_ids= and every other dataset column "
+        "by keyword (so it takes **kwargs), returning one float per completion (None: not scored).")
+    reward_weights: list[float] | None = _opt(
+        None, "GRPO: one weight per reward function, in --reward_funcs order (default 1 each).")
+    num_generations: int | None = _opt(
+        None, "GRPO: completions sampled per prompt, the group each reward is compared within (default 8); it must "
+        "divide the global batch (per_device_train_batch_size x gradient_accumulation_steps x ranks).")
+    max_completion_length: int | None = _opt(
+        None, "GRPO: most tokens per completion (default 512); with data.block_size (the longest prompt) it must fit "
+        "the model's context.")
+    epsilon: float | None = _opt(None, "GRPO: the clipping range of the probability ratio, 1 - epsilon .. 1 + "
+                                 "epsilon_high (default 0.2).")
+    epsilon_high: float | None = _opt(None, "GRPO: the upper clipping range (default: epsilon; DAPO uses 0.28).")
+    num_iterations: int | None = _opt(None, "GRPO: optimisation passes over each batch of completions before new "
+                                      "ones are sampled (default 1).")
+    scale_rewards: str | None = _opt(None, "GRPO: divide each advantage by the standard deviation of its group's "
+                                     "rewards (group, the default), of the whole batch's (batch) or not (none).",
+                                     choices=["group", "batch", "none"])
+    mask_truncated_completions: bool = _opt(False, "GRPO: leave completions cut off at max_completion_length (no EOS) "
+                                            "out of the loss.")
+    importance_sampling_level: str | None = _opt(
+        None, "GRPO: probability ratios per token (token, the default) or one per sequence (sequence: GSPO).",
+        choices=["token", "sequence"])
+    use_vllm: bool = _opt(False, "GRPO: generate the rollouts with vLLM (colocated, TRL's) instead of transformers' "
+                          "generate; needs vLLM installed and a GPU.")
+
+
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "strategy": StrategyConfig,
                              "tracking": TrackingConfig, "samples": SamplesConfig, "hub": HubConfig,
-                             "resilience": ResilienceConfig, "preference": PreferenceConfig}
+                             "resilience": ResilienceConfig, "preference": PreferenceConfig, "rl": RLConfig}
 # YAML sections whose options live in another section's dataclass: ``training.method`` as users know it.
-YAML_ALIASES: dict[str, str] = {"preference": "training"}
+YAML_ALIASES: dict[str, str] = {"preference": "training", "rl": "training"}
 
 # hftk's defaults for TrainingArguments fields, where the HF default does not suit fine-tuning here.
 TRAINING_DEFAULTS: dict[str, Any] = dict(
@@ -306,6 +355,7 @@ class RunConfig:
     hub: HubConfig
     resilience: ResilienceConfig
     preference: PreferenceConfig
+    rl: RLConfig
     training: dict[str, Any]
     # Training options the user set (command line or YAML), even to TrainingArguments' own default,
     # which ``training`` leaves out: an engine whose choice differs from that default reads it here.
@@ -326,7 +376,7 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """The YAML form of this config (what ``--config`` accepts)."""
         sections = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS if name not in YAML_ALIASES}
-        training = {**dataclasses.asdict(self.preference), **self.training}
+        training = {**dataclasses.asdict(self.preference), **dataclasses.asdict(self.rl), **self.training}
         return {**sections, "training": training}
 
 
@@ -413,6 +463,7 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
     values.pop("config", None)
     sections = {name: cls(**{f.name: values.pop(f.name) for f in dataclasses.fields(cls)})
                 for name, cls in SECTIONS.items()}
+    resolve_method_defaults(sections["preference"], sections["rl"])
     training_fields = _training_fields()
     training = {k: v for k, v in values.items()
                 if k in training_fields and v not in (None, field_default(training_fields[k]))}
@@ -433,6 +484,19 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
         if declared.get(key) in (int, float, bool):
             _check_value(f"training.{key}", value, declared[key].__name__, None)
     return RunConfig(**sections, training=training, given=frozenset(given & set(training_fields)))
+
+
+def resolve_method_defaults(preference: PreferenceConfig, rl: RLConfig) -> None:
+    """The options whose unset value means a method's TRL default (``beta``, ``loss_type``), resolved once; and
+    ``--reward_funcs a.py:f,b.py:g`` (one argument) as the list YAML writes."""
+    defaults = METHOD_DEFAULTS.get(preference.method, METHOD_DEFAULTS["dpo"])  # sft reads neither
+    for name, value in defaults.items():
+        if getattr(preference, name) is None:
+            setattr(preference, name, value)
+    if isinstance(rl.reward_funcs, str):
+        rl.reward_funcs = [rl.reward_funcs]
+    if rl.reward_funcs is not None:
+        rl.reward_funcs = [part.strip() for item in rl.reward_funcs for part in str(item).split(",") if part.strip()]
 
 
 def training_defaults() -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""What hftk supports per strategy: full fine-tuning or LoRA, a quantized (QLoRA) base, packing modes and
-preference tuning (DPO, full, LoRA and QLoRA), each refusal with its reason.
+"""What hftk supports per strategy: full fine-tuning or LoRA, a quantized (QLoRA) base, packing modes, preference
+tuning (DPO, full, LoRA and QLoRA) and online RL (GRPO, full and LoRA), each refusal with its reason.
 
 What each strategy allows is a flag in the strategy table (:data:`hftk.config.strategy_table.STRATEGIES`); this
 module says why each refusal is one and raises it. The strategies' validators take their LoRA refusals
@@ -168,13 +168,38 @@ DPO_PRECOMPUTE_REFUSED = {
 }
 
 
+# Online RL (training.method grpo) through TRL's GRPOTrainer (engine/rl.py): every Trainer strategy, full and LoRA,
+# equals one-process TRL (tests/integration/test_grpo.py). hftk's own loop (pipeline, tp, cp, sp) has no rollout step;
+# a quantized base is not verified with GRPO (TRL casts its adapters to bf16 after hftk has prepared the model).
+GRPO_STRATEGIES: tuple[str, ...] = DPO_STRATEGIES
+GRPO_REFUSED = {
+    strategy: Refusal("training.method", f"grpo is not supported with strategy {strategy}: hftk's own loop has no "
+                      "rollout step (generation, rewards and the policy-gradient loss).",
+                      f"use --strategy {' or '.join(GRPO_STRATEGIES)} for GRPO, or --method sft.")
+    for strategy in STRATEGIES if strategy not in GRPO_STRATEGIES
+}
+assert all(TABLE[s].engine == "loop" for s in GRPO_REFUSED), "every Trainer strategy trains GRPO"
+GRPO_QUANT_REFUSED = Refusal(QUANT_FIELD, "a bitsandbytes-quantized base is not supported with --method grpo: TRL "
+                             "casts the adapters of a quantized model to bf16 after hftk prepared it, which hftk's "
+                             "tests have not verified.", "train GRPO with LoRA on an unquantized base (drop "
+                             "--load_in_4bit / --load_in_8bit).")
+
+
 def dpo_refusal(strategy: str, lora: bool) -> Refusal | None:
     """Why DPO does not run under ``strategy`` (with LoRA when ``lora``), or None."""
     return DPO_REFUSED.get(strategy) or (DPO_LORA_REFUSED.get(strategy) if lora else None)
 
 
-def check_method(strategy: str, method: str, lora_r: int = 0, precompute_ref_log_probs: bool = False) -> None:
-    """Raise the table's refusal of ``method`` under ``strategy`` (sft trains everywhere)."""
+def check_method(strategy: str, method: str, lora_r: int = 0, precompute_ref_log_probs: bool = False,
+                 quantized_field: str | None = None) -> None:
+    """Raise the table's refusal of ``method`` under ``strategy`` (sft trains everywhere); ``quantized_field``: the
+    option that quantizes the base, None when it is not quantized."""
+    if method == "grpo":
+        refusal = GRPO_REFUSED.get(strategy) or (GRPO_QUANT_REFUSED if quantized_field else None)
+        if refusal is not None:
+            raise HftkError(quantized_field if refusal is GRPO_QUANT_REFUSED else refusal.field, refusal.problem,
+                            refusal.fix)
+        return
     if method != "dpo":
         return
     refusal = dpo_refusal(strategy, lora_r > 0) or (DPO_PRECOMPUTE_REFUSED.get(strategy) if precompute_ref_log_probs

@@ -19,10 +19,13 @@ POLL_S = 0.05  # a waiting rank is at most this late: it started every launch up
 _rounds = itertools.count()  # every rank runs the same work in the same order: its n-th call names round n
 
 
-def client(timeout: timedelta) -> Any | None:
+def client(timeout: timedelta, agent_only: bool = True) -> Any | None:
     """A client of the agent's store (None outside such a launch of 2+ ranks, or when unreachable).
-    ``timeout`` bounds its connection and each wait."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    ``timeout`` bounds its connection and each wait. ``agent_only=False``: the store at ``MASTER_ADDR:MASTER_PORT``
+    whoever hosts it: the agent, or rank 0 once the process group is up (the agent shares none with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; ``env://`` then starts it there)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if (agent_only and not agent) or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return None
     try:
         from torch.distributed import TCPStore

@@ -2,6 +2,7 @@
 
 The libraries under hftk each print their own notices: DeepSpeed's accelerator guess (every rank, every
 import), its "op built successfully" note and torch's deprecation warnings for the collectives ZeRO calls, transformers'
+deprecation warning for the ``is_gradient_checkpointing`` alias TRL's trainers read (every rank), its
 weight-loading and shard-writing bars and three advisory warnings about choices hftk made on purpose,
 ``datasets``' map bars, the ``[INFO] Running in WANDB offline mode`` line every rank prints at import,
 wandb's run history tables, libkineto's profiler markers. :func:`quiet_libraries` turns each off at its
@@ -74,6 +75,10 @@ def quiet_libraries(on_cpu: bool) -> None:
     # rank, ZeRO-3 at every step: DeepSpeed's business, nothing a user can change
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated\. Please use",
                             category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
+    # TRL's trainers read transformers' deprecated alias around every generation and reference forward (DPO, GRPO),
+    # on every rank: TRL's business, nothing a user can change
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning,
+                            module=r"transformers\.modeling_utils")
     for name, pattern in DROPPED_WARNINGS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Dropped) and f.pattern is pattern for f in logger.filters):
@@ -150,13 +155,20 @@ def kineto_markers_dropped() -> Iterator[None]:
 
 
 def done_line(seconds: float, step: int, eval_loss: float | None, final: str, resumed_step: int | None,
-              resumes: bool, newest_checkpoint: int | None, preference_accuracy: float | None = None) -> str:
+              resumes: bool, newest_checkpoint: int | None, preference_accuracy: float | None = None,
+              rewards: dict[str, float] | None = None) -> str:
     """The line every run ends on (rank 0): how long, how good, where the model is, what a rerun does.
     ``preference_accuracy`` (a DPO run's eval ``rewards/accuracies``): its eval loss is DPO's pairwise loss, of
-    which a perplexity would mean nothing, so the held-out preference accuracy is said instead."""
+    which a perplexity would mean nothing, so the held-out preference accuracy is said instead. ``rewards`` (a GRPO
+    run's): the mean reward of its last logged step (``train_reward`` at ``train_reward_step``) and the held-out
+    prompts' (``eval_reward``)."""
     import math
 
-    if eval_loss is None:
+    if rewards is not None:
+        held_out = f", eval reward {rewards['eval_reward']:.4f}" if rewards.get("eval_reward") is not None else ""
+        quality = (f"final mean reward {rewards['train_reward']:.4f} (step {rewards['train_reward_step']})"
+                   if "train_reward" in rewards else "no reward logged (logging_steps past the last step)") + held_out
+    elif eval_loss is None:
         quality = "no held-out data"
     elif preference_accuracy is not None:
         quality = f"eval DPO loss {eval_loss:.4f}, preference accuracy {preference_accuracy:.3f}"

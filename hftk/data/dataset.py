@@ -463,6 +463,13 @@ def tokenize_sources(sources: list[Source], tokenizer: Any, seed: int) -> Tokeni
     return tokenized(sources[0].cfg, train, eval_blocks, combined_format(sources))
 
 
+def split_and_mix(sources: list[Source], seed: int) -> tuple[Any, Any | None]:
+    """(train, held-out) rows of a run whose trainer tokenises them (TRL's DPO pairs, GRPO's prompts): each dataset
+    split as every dataset is (:func:`split_rows`, as the samples' held-out prompts are drawn), then mixed as
+    supervised fine-tuning's blocks are (:func:`mix`)."""
+    return mix(sources, [split_rows(s.cfg, s.raw, seed) for s in sources], seed)
+
+
 def mix(sources: list[Source], parts: list[tuple[Any, Any | None]], seed: int) -> tuple[Any, Any | None]:
     """Each source's (train, held-out) ``parts`` as one: training rows interleaved by the sources' weights
     (seeded; datasets' ``interleave_datasets``) when weights are given, else concatenated; held-out rows

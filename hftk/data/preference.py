@@ -49,7 +49,7 @@ def check_preference_rows(rows: Any, dataset: str, field: str = "data.dataset") 
 def load_preference_sources(cfg: Any) -> list[Any]:
     """Every dataset of the run through hftk's loader (``load_raw``), each split it reads checked as
     preference rows and cut to the pair's columns. Several datasets mix as for supervised fine-tuning
-    (:func:`preference_rows`) when they share one format and prompt layout: TRL reads one per dataset."""
+    (:func:`hftk.data.dataset.split_and_mix`) when they share one format and prompt layout: TRL reads one per dataset."""
     from hftk.data.dataset import Source, load_raw, source_configs, with_default_weights
 
     sources = []
@@ -73,15 +73,6 @@ def load_preference_sources(cfg: Any) -> list[Any]:
 
 def _described(fmt: str) -> str:
     return fmt.removeprefix("preference_").replace("_implicit_prompt", " implicit-prompt").replace("+", " and ")
-
-
-def preference_rows(sources: list[Any], seed: int) -> tuple[Any, Any | None]:
-    """(train, held-out) rows of the run: each dataset split as every dataset is
-    (:func:`hftk.data.dataset.split_rows`, as the samples' held-out prompts are drawn), then mixed as
-    supervised fine-tuning's blocks are (:func:`hftk.data.dataset.mix`)."""
-    from hftk.data.dataset import mix, split_rows
-
-    return mix(sources, [split_rows(s.cfg, s.raw, seed) for s in sources], seed)
 
 
 def tokenize_pairs(rows: Any, tokenizer: Any, args: Any, name: str) -> Any:

@@ -25,8 +25,8 @@ rank monitor may hook, or None), ``config``, ``describe`` (logged once), ``repli
 whose weights must be equal share one); methods ``param_groups(weight_decay)``,
 ``forward_backward(batches) -> global mean loss``, ``clip_gradients(max_norm) -> norm``,
 ``eval_sums(batch) -> [loss sum, count]`` summed over the world, ``save(folder, optimizer)``,
-``load(folder, optimizer)``, ``save_final(out, tokenizer, write_extra, step)``; optionally ``callbacks`` (Trainer
-callbacks of its own, ahead of the metrics callback: expert parallel's all-to-all counters).
+``load(folder, optimizer)``, ``save_final(folder, tokenizer)`` (into the final save's staged folder); optionally
+``callbacks`` (Trainer callbacks of its own, ahead of the metrics callback: expert parallel's all-to-all counters).
 """
 
 from __future__ import annotations
@@ -439,6 +439,7 @@ def _stop(run: Run) -> None:
     if run.rank == 0:
         saved = run.prepared.cfg.output_dir / f"checkpoint-{run.state.global_step}"
         print(stop_line(run.state.global_step, run.stop_reason, saved, run.exit_code), file=sys.stderr, flush=True)
+    run.signal.leave()
     dist.barrier()
     dist.destroy_process_group()
     raise SystemExit(run.exit_code)
@@ -617,20 +618,18 @@ def _write_adapter(step: Any, adapter: tuple[Any, dict[str, tuple[int, ...]]] | 
 
 def _save_final(run: Run, metrics: dict[str, float]) -> None:
     """``output_dir/final``: a standard HF folder from the step (with LoRA: the adapter and tokenizer, as
-    under every other strategy), with the run record and model card; then pushed."""
+    under every other strategy), with the run record and model card; then pushed. One save
+    (:func:`staged_folder`), as in the Trainer engine: a failure on any rank reaches every rank."""
     out = run.prepared.cfg.output_dir / FINAL_DIR
     step = run.state.global_step
-
-    def write_extra(folder: Path) -> None:
-        write_run_files(folder, _run_record(run, step, metrics), run.prepared.cfg.training.get("hub_model_id"))
-
-    if run.adapter is not None:
-        with staged_folder(out, publisher=run.rank == 0, step=step) as final:
+    with staged_folder(out, publisher=run.rank == 0, step=step) as final:
+        if run.adapter is not None:
             _write_adapter(run.step, run.adapter, final)
             if run.rank == 0:
                 run.tokenizer.save_pretrained(final)
-                write_extra(final)
-    else:
-        run.step.save_final(out, run.tokenizer, write_extra, step)
+        else:
+            run.step.save_final(final, run.tokenizer)
+        if run.rank == 0:
+            write_run_files(final, _run_record(run, step, metrics), run.prepared.cfg.training.get("hub_model_id"))
     if run.pusher is not None:
         run.pusher.push_final(out, step)  # waits; a failed push is reported, not raised

@@ -80,6 +80,7 @@ class PreemptionSignal:
         self.received: int | None = None
         self._received_at = 0.0
         self._previous: dict[int, Any] = {}
+        self._leaving = False
 
     @property
     def installed(self) -> bool:
@@ -102,8 +103,17 @@ class PreemptionSignal:
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            if not self._leaving:
+                signal.signal(sig, previous)
         self._previous.clear()
+
+    def leave(self) -> None:
+        """The run saved itself and leaves with its stop code: from here on preemption signals are ignored, so the
+        SIGTERM a launcher sends the ranks still running once one has exited (torchrun does) cannot turn this
+        rank's exit 75 into a death by signal while it tears down."""
+        self._leaving = True
+        for sig in PREEMPTION_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is None:
@@ -304,5 +314,6 @@ def raise_stop(trainer: Any) -> None:
         saved = list_checkpoints(trainer.args.output_dir)
         where = saved[-1] if saved else "no checkpoint"
         print(stop_line(trainer.state.global_step, guard.reason, where, guard.exit_code), file=sys.stderr, flush=True)
+    guard.signal.leave()
     trainer.accelerator.end_training()
     raise SystemExit(guard.exit_code)

@@ -59,12 +59,25 @@ def is_sharded(model: Any) -> bool:
     return any(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in model.parameters())
 
 
-def _fsdp_root(model: Any) -> Any:
-    """The FSDP2 root module when ``model`` is one. PEFT's ``generate`` calls the inner model's forward, skipping
-    the root's hook that gathers its parameters, so the root is gathered around the whole sampling instead."""
+@contextmanager
+def root_gathered(model: Any) -> Iterator[None]:
+    """The FSDP2 root unit of ``model`` (embeddings, final norm, head) gathered for the body (a collective of the
+    root's group; the blocks gather themselves at each forward); nothing for any other model. PEFT's ``generate``
+    calls the inner model's forward, skipping the root's hook that gathers its parameters, so the root is gathered
+    around the whole generation instead. FSDP2 names its root at the first forward through it (its states'
+    ``_lazy_init``, which ``unshard`` does not run): a generation before any training forward (GRPO's first rollout)
+    would make a block the root, so that is done first, as the root's own pre-forward does."""
     from torch.distributed.fsdp import FSDPModule
 
-    return model if isinstance(model, FSDPModule) else None
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model._get_fsdp_state()._lazy_init()  # no-op once a forward ran through the root
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 def sampling_device(model: torch.nn.Module, device: torch.device) -> torch.device:
@@ -167,11 +180,9 @@ def sample(model: Any, tokenizer: Any, prompts: list[Prompt], cfg: RunConfig, st
     model.eval()
     rows: list[tuple[int, dict]] = []
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    root = _fsdp_root(model) if shared else None
-    if root is not None:
-        root.unshard()  # collective: the root's own group only (embeddings, final norm, head); blocks gather themselves
     try:
-        with agreement.watching(model) if agreement is not None else nullcontext():
+        with root_gathered(model) if shared else nullcontext(), \
+                agreement.watching(model) if agreement is not None else nullcontext():
             for call in range(calls):
                 index = mine[call] if call < len(mine) else (mine or [0])[0]
                 with torch.random.fork_rng(devices=devices):
@@ -187,8 +198,6 @@ def sample(model: Any, tokenizer: Any, prompts: list[Prompt], cfg: RunConfig, st
     finally:
         if agreement is not None:
             agreement.exchange(done=True)  # a signal after the last forward; and the followers' end
-        if root is not None:
-            root.reshard()
         model.train(was_training)
     if agreement is not None:
         agreement.raise_if_stopped()

@@ -217,9 +217,10 @@ def count_flops_once(trainer: Any) -> None:
     trainer.floating_point_ops = lambda inputs: per_token * inputs[main_input].numel() if main_input in inputs else 0
 
 
-def train(prepared: PreparedRun, build: Any = None) -> dict[str, float]:
+def train(prepared: PreparedRun, build: Any = None, summary: Any = None) -> dict[str, float]:
     """Run the Trainer (``build``: another Trainer's builder, e.g. DPO's) for a prepared (validated) config,
-    save ``final``, then tear the process group down; returns the final metrics."""
+    save ``final``, then tear the process group down; returns the final metrics (with ``summary(trainer)``'s: what
+    a method adds to the run record, e.g. GRPO's final mean reward)."""
     cfg = prepared.cfg
     trainer, strategy, data = (build or build_trainer)(prepared)
     pusher = run_pusher(prepared, trainer, cfg.output_dir / cfg.tracking.metrics_file)
@@ -236,6 +237,7 @@ def train(prepared: PreparedRun, build: Any = None) -> dict[str, float]:
         step = trainer.state.global_step
         if data.eval is not None:  # the final weights' evaluation: logged at the last step, else run now
             metrics.update(logged_eval(trainer.state.log_history, step) or guarded(trainer, trainer.evaluate))
+        metrics.update(summary(trainer) if summary is not None else {})
     with staged_folder(cfg.output_dir / FINAL_DIR, publisher=trainer.args.should_save) as final:
         if lora.is_peft(trainer.model):
             lora.save_final(trainer, final)  # the adapter, gathered from whatever shards it

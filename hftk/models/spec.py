@@ -20,7 +20,8 @@ the strategies that need the structure (pipeline, tp, cp, sp) refuse it by name 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import json
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,24 +118,28 @@ class ModelSpec:
     # why DeepSpeed Ulysses (strategy sp) cannot take over the attention: it replaces transformers' registered
     # attention function and needs the position ids there; None when every attention layer calls it with them
     ulysses_problem: str | None = None
+    # why examples packed into one row (position ids restarting per example, no attention mask: data.packing bfd)
+    # would attend to each other; None when the model's masks keep them apart
+    packing_problem: str | None = None
     moe: MoESpec | None = None  # mixture of experts: its sparse parts
 
     @property
     def has_structure(self) -> bool:
         return self.structure_problem is None
 
-    def full(self, name: str) -> str:
-        """A backbone child's name relative to the causal LM."""
-        return f"{self.backbone}.{name}" if self.backbone else name
-
 
 _SPECS: dict[tuple[str, bool], ModelSpec] = {}
+# Config fields a loaded model may differ in from its config file (the dtype it was loaded in, the run's switches)
+# and that change nothing of its structure: the spec is kept across them.
+SPEC_BLIND = frozenset({"dtype", "torch_dtype", "transformers_version", "_name_or_path", "use_cache",
+                        "output_router_logits"})
 
 
 def model_spec(config: Any, trust_remote_code: bool = False) -> ModelSpec:
     """The :class:`ModelSpec` of the causal LM ``config`` describes (kept per config: validation, the plan and
     the strategies ask it several times in a run)."""
-    key = (config.to_json_string(use_diff=False), trust_remote_code)
+    described = {k: v for k, v in config.to_dict().items() if k not in SPEC_BLIND}
+    key = (json.dumps(described, sort_keys=True, default=str), trust_remote_code)
     if key not in _SPECS:
         _SPECS[key] = derive(config, trust_remote_code)
     return _SPECS[key]
@@ -193,15 +198,17 @@ def derive(config: Any, trust_remote_code: bool = False) -> ModelSpec:
     inside = {id(p) for p in backbone.parameters()} | ({id(p) for p in head.parameters()} if head is not None else set())
     outside = _top_most({n.rsplit(".", 1)[0] for n, p in model.named_parameters() if id(p) not in inside},
                         backbone_name)
-    plan, problem = _tp_plan(config, model, backbone_name)
+    plan, problem = _tp_plan(config, backbone_name)
+    ulysses, packing = _attention_probe(config, trust_remote_code, layers)
     return ModelSpec(
-        **common, source=source, backbone=backbone_name, blocks=blocks_name, block_classes=tuple(dict.fromkeys(type(b).__name__ for b in blocks)), block_returns=returns,
+        **common, source=source, backbone=backbone_name, blocks=blocks_name,
+        block_classes=tuple(dict.fromkeys(type(b).__name__ for b in blocks)), block_returns=returns,
         before_blocks=before, after_blocks=after, embedding=embedding_name, head=head_name,
         tied=head is not None and embedding is not None and head.weight is embedding.weight, outside=outside,
         lora_targets=_linear_leaves(blocks, {r.target_class} if (r := _router_recorder(model)) else set()),
         tp_plan=plan, tp_problem=problem,
         attention_sinks=any(n.rsplit(".", 1)[-1] == "sinks" for n, _ in blocks.named_parameters()),
-        ulysses_problem=_attention_problem(config, trust_remote_code, layers),
+        ulysses_problem=ulysses, packing_problem=packing,
         moe=_moe(model, blocks, text),
     )
 
@@ -294,21 +301,31 @@ def _weighted(parent: nn.Module, names: list[str]) -> tuple[str, ...]:
 PROBE_ATTENTION = "hftk_probe"  # an attention implementation that records how the model calls it
 
 
-def _attention_problem(config: Any, trust_remote_code: bool, layers: int) -> str | None:
-    """Why the model's attention does not go through transformers' attention registry with position ids (one
-    forward on the meta device through a recording implementation), or None."""
+def _attention_probe(config: Any, trust_remote_code: bool, layers: int) -> tuple[str | None, str | None]:
+    """(why the model's attention does not go through transformers' attention registry with position ids, why its
+    masks do not keep packed examples apart), from one forward on the meta device through a recording attention
+    implementation and recording mask makers; None where nothing is wrong."""
     import copy
+    import sys
+    from unittest import mock
 
     from transformers import AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     calls: list[bool] = []
+    masks: list[bool] = []
 
     def record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any,
                *args: Any, **kwargs: Any) -> Any:
         calls.append(kwargs.get("position_ids") is not None)
         return sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
+
+    def recording(maker: Any) -> Any:
+        def make(*args: Any, **kwargs: Any) -> Any:
+            masks.append(kwargs.get("position_ids") is not None)
+            return maker(*args, **kwargs)
+        return make
 
     ALL_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, record)
     try:
@@ -317,18 +334,29 @@ def _attention_problem(config: Any, trust_remote_code: bool, layers: int) -> str
                                                      trust_remote_code=trust_remote_code)
         if any(p.ndim == 3 for p in model.parameters()):  # fused experts (dense models refuse the call)
             model.set_experts_implementation("grouped_mm")
-        with experts_on_meta():
+        # transformers' mask makers as the modeling module imported them (masking_utils' create_*_mask): packed
+        # examples are kept apart only where they are handed the position ids
+        module = sys.modules[type(model).__module__]
+        makers = [name for name, value in vars(module).items() if name.startswith("create_") and
+                  name.endswith("mask") and getattr(value, "__module__", "") == "transformers.masking_utils"]
+        with experts_on_meta(), ExitStack() as stack:
+            for name in makers:
+                stack.enter_context(mock.patch.object(module, name, recording(getattr(module, name))))
             model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"),
                   position_ids=torch.arange(4, device="meta")[None])
     except Exception as exc:  # a model that cannot run this way is refused by sp, saying why
-        return f"its attention could not be traced on the meta device ({type(exc).__name__}: {str(exc)[:120]})"
+        why = f"its attention could not be traced on the meta device ({type(exc).__name__}: {str(exc)[:120]})"
+        return why, why
+    packing = None if masks and all(masks) else (
+        "its forward builds its attention masks without the position ids, so examples packed into one row would "
+        "attend to each other" if masks else "its forward builds no mask with transformers' mask makers")
     if not calls:
-        return "its attention does not go through transformers' attention registry"
+        return "its attention does not go through transformers' attention registry", packing
     if not all(calls):
-        return "its attention layers do not receive the position ids Ulysses needs"
+        return "its attention layers do not receive the position ids Ulysses needs", packing
     if len(calls) != layers:
-        return f"only {len(calls)} of its {layers} layers run attention through transformers' registry"
-    return None
+        return f"only {len(calls)} of its {layers} layers run attention through transformers' registry", packing
+    return None, packing
 
 
 def _linear_leaves(blocks: nn.ModuleList, exclude: set[type] = frozenset()) -> tuple[str, ...]:
@@ -403,7 +431,7 @@ def _ep_problem(experts: nn.Module, fused: bool, num: int) -> str | None:
     return None
 
 
-def _tp_plan(config: Any, model: nn.Module, backbone: str) -> tuple[dict[str, str], str | None]:
+def _tp_plan(config: Any, backbone: str) -> tuple[dict[str, str], str | None]:
     """The tensor-parallel plan relative to the causal LM, and why tp cannot use it (None when it can)."""
     if config.model_type in TP_PLAN_OVERRIDES:
         return dict(TP_PLAN_OVERRIDES[config.model_type]), None

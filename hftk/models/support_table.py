@@ -1,5 +1,5 @@
 """The README's support table: every strategy x the families the support matrix proves x {full, LoRA}, plus a
-quantized (QLoRA) base and preference tuning (DPO) per strategy.
+quantized (QLoRA) base, preference tuning (DPO) and online RL (GRPO) per strategy.
 
 Each cell is what :func:`expected` says: the strategy rules of :mod:`hftk.config.support` and the model's own
 structure (:func:`hftk.models.spec.strategy_refusal`), in validation's order. ``python -m hftk.models.support_table
@@ -79,11 +79,15 @@ def render_markdown() -> str:
             return f"full; LoRA refused {mark(lora)}"
         return "full, LoRA" + (", QLoRA" if strategy not in support.QUANT_REFUSED else "")
 
+    def grpo(strategy: str) -> str:
+        refusal = support.GRPO_REFUSED.get(strategy)
+        return "full, LoRA" if refusal is None else f"refused {mark(refusal)}"
+
     families = MATRIX_FAMILIES
     lines = ["| strategy | " + " | ".join(family_name(f) for f in families)
-             + " | 4/8-bit base (QLoRA) | DPO (`--method dpo`) |",
-             "|---" * (len(families) + 3) + "|"]
-    lines += [f"| {s} | " + " | ".join(cell(s, f) for f in families) + f" | {quantized(s)} | {dpo(s)} |"
+             + " | 4/8-bit base (QLoRA) | DPO (`--method dpo`) | GRPO (`--method grpo`) |",
+             "|---" * (len(families) + 4) + "|"]
+    lines += [f"| {s} | " + " | ".join(cell(s, f) for f in families) + f" | {quantized(s)} | {dpo(s)} | {grpo(s)} |"
               for s in STRATEGIES]
     lines += [""] + [f"[{i}] `{r.field}`: {r.problem}" + ("  " if i < len(notes) else "")
                      for i, r in enumerate(notes, 1)]

@@ -105,7 +105,7 @@ def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | N
         persistent=sum(p.numel() for p in params if p.numel() <= 10 * hidden),
         saved=profile(model, blocks, _sliding_window(spec_of(model))),
         quantizable=quantizable, quantizable_rows=rows, optim_8bit=sum(optim_8bit),
-        optim_8bit_tensors=len(optim_8bit),
+        optim_8bit_tensors=len(optim_8bit), kv_width=kv_width(model_config),
         experts=sum(p.numel() for p in params if id(p) in shares),
         active=int(sum(p.numel() * shares.get(id(p), 1.0) for p in params)) if shares else 0,
         largest_block_experts=sum(p.numel() for p in largest.parameters() if id(p) in shares) if largest else 0,
@@ -118,6 +118,15 @@ def plan_strategies(shape: ModelShape) -> tuple[str, ...]:
     """The plan's rows for this model: :data:`PLAN_STRATEGIES`, and for a mixture of experts the rows only it has
     (expert parallel), in ``auto``'s order."""
     return strategy_table.AUTO_ORDER if shape.experts else PLAN_STRATEGIES
+
+
+def kv_width(model_config: Any) -> int:
+    """Elements one token's key (or value) holds per layer: the key/value heads (grouped-query attention: fewer than
+    the query heads) times the head size."""
+    hidden = _config_int(model_config, "hidden_size", "n_embd")
+    heads = _config_int(model_config, "num_attention_heads", "n_head")
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    return kv_heads * (getattr(model_config, "head_dim", None) or hidden // heads)
 
 
 def _sliding_window(spec: Any) -> int | None:
@@ -179,8 +188,25 @@ def activation_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
 
 def estimate(strategy: str, shape: ModelShape, inputs: PlanInputs) -> StrategyPlan:
     """Per-rank bytes of ``strategy`` (one of :data:`PLAN_STRATEGIES`) at its optimizer step: the policy's,
-    and DPO's reference model beside it."""
-    return dataclasses.replace(policy_estimate(strategy, shape, inputs), reference=reference_bytes(strategy, shape, inputs))
+    DPO's / GRPO's reference model beside it, and GRPO's generation."""
+    return dataclasses.replace(policy_estimate(strategy, shape, inputs), reference=reference_bytes(strategy, shape, inputs),
+                               generation=generation_bytes(strategy, shape, inputs))
+
+
+def generation_bytes(strategy: str, shape: ModelShape, inputs: PlanInputs) -> int:
+    """GRPO's rollouts on one rank (0 for other methods): transformers' KV cache over every layer for its rows at
+    their longest (key and value, in the loaded dtype: TRL generates outside autocast), the last position's fp32
+    logits per row, and the weights the strategy gathers for generation: the whole model under ZeRO-3 (TRL's
+    ``ds3_gather_for_generation``), FSDP2's root and two blocks (the one in use, the prefetched one)."""
+    if not inputs.rollout_rows:
+        return 0
+    w = DTYPE_BYTES[inputs.dtype]
+    cache = 2 * shape.layers * shape.kv_width * inputs.rollout_tokens * inputs.rollout_rows * w
+    logits = 4 * shape.vocab * inputs.rollout_rows
+    d = 2 if inputs.mixed_precision != "no" else w
+    gathered = {"zero3": d * shape.params, "zero3_offload": d * shape.params,
+                "fsdp": w * (shape.outside_blocks + 2 * shape.largest_block)}.get(strategy, 0)
+    return cache + logits + gathered
 
 
 def reference_bytes(strategy: str, shape: ModelShape, inputs: PlanInputs) -> int:
@@ -333,7 +359,18 @@ def inputs_from_config(cfg: Any, world_size: int, budget: int) -> PlanInputs:
         **quantization_inputs(cfg.model.load_in_4bit, cfg.model.load_in_8bit, cfg.model.bnb_4bit_use_double_quant,
                               str(cfg.args.optim)),
     )
-    return PlanInputs(**{**fields, **preference_inputs(cfg)})
+    return PlanInputs(**{**fields, **preference_inputs(cfg), **rl_inputs(cfg)})
+
+
+def rl_inputs(cfg: Any) -> dict[str, Any]:
+    """GRPO's PlanInputs fields: sequences of the longest prompt (data.block_size: longer ones are dropped) plus
+    max_completion_length, whether a reference model is held (beta > 0, not under LoRA: the policy with its adapter
+    off is the reference then), and the rollouts each rank generates at once."""
+    if cfg.preference.method != "grpo":
+        return {}
+    tokens = cfg.data.block_size + (cfg.rl.max_completion_length or 512)  # GRPOConfig's default
+    return {"seq_len": tokens, "rollout_tokens": tokens, "reference": cfg.preference.beta > 0 and not cfg.model.lora_r,
+            "rollout_rows": cfg.args.per_device_train_batch_size * cfg.args.gradient_accumulation_steps}
 
 
 def preference_inputs(cfg: Any) -> dict[str, Any]:
@@ -472,8 +509,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "degree for its ep row (strategy ep; default: the world size)")
     p.add_argument("--device", choices=["gpu", "cpu"], default=None,
                    help="what a rank's memory is (default: gpu when one is present, else cpu)")
-    p.add_argument("--method", choices=["sft", "dpo"], default="sft", help="training.method: dpo runs chosen and "
-                   "rejected through one forward (2 x --micro_batch sequences) beside a frozen reference model")
+    p.add_argument("--method", choices=["sft", "dpo", "grpo"], default="sft", help="training.method: dpo runs "
+                   "chosen and rejected through one forward (2 x --micro_batch sequences) beside a frozen reference "
+                   "model; grpo generates --micro_batch x --gradient_accumulation_steps completions per rank (their KV "
+                   "cache) and trains on --seq_len (the longest prompt) + --max_completion_length tokens")
+    p.add_argument("--max_completion_length", type=_positive(int), default=512, help="GRPO: most new tokens per "
+                   "completion (GRPOConfig's default 512)")
+    p.add_argument("--gradient_accumulation_steps", type=_positive(int), default=1, help="GRPO: micro-batches per "
+                   "optimizer step; a rank generates the completions of all of them at once")
+    p.add_argument("--beta", type=float, default=0.0, help="GRPO: the KL weight; above 0 a reference model is held "
+                   "(not under --lora_r: the base with the adapter off is the reference)")
     p.add_argument("--precompute_ref_log_probs", action="store_true", help="DPO: the reference's log-probs computed "
                    "before training, so no reference model is held (with --lora_r none is either)")
     p.add_argument("--ref_model_name_or_path", default=None, help="DPO: a separate reference model (a folder or Hub "
@@ -509,13 +554,18 @@ def plan_command(argv: list[str]) -> int:
                             trust_remote_code=args.trust_remote_code)
     model_config = load_model_config(model_cfg)
     named = args.ref_model_name_or_path
-    held = reference_held(args.method, args.lora_r, args.precompute_ref_log_probs, named)
+    grpo = args.method == "grpo"
+    held = reference_held(args.method, args.lora_r, args.precompute_ref_log_probs, named) or \
+        (grpo and args.beta > 0 and not args.lora_r)
+    tokens = args.seq_len + (args.max_completion_length if grpo else 0)
     limit = context_length(model_config)
-    if limit is not None and args.seq_len > limit:
-        raise HftkError("--seq_len", f"{args.seq_len} exceeds the model's context length {limit}.",
-                        f"use --seq_len {limit} or less.")
+    if limit is not None and tokens > limit:
+        raise HftkError("--seq_len", f"{tokens} tokens" + (" (with --max_completion_length)" if grpo else "") +
+                        f" exceed the model's context length {limit}.", f"use at most {limit} tokens.")
     inputs = PlanInputs(world_size=args.world_size, device_memory_bytes=int(args.device_memory * GIB),
-                        seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype,
+                        seq_len=tokens, micro_batch=args.micro_batch, dtype=args.dtype,
+                        rollout_rows=args.micro_batch * args.gradient_accumulation_steps if grpo else 0,
+                        rollout_tokens=tokens if grpo else 0,
                         mixed_precision=args.mixed_precision, gradient_checkpointing=args.gradient_checkpointing,
                         attention=args.attn_implementation, device=device, ep_size=args.ep_size or 0,
                         pairs=args.method == "dpo", reference=held, **quant,
@@ -534,6 +584,13 @@ def plan_command(argv: list[str]) -> int:
     return 0
 
 
+def _rollouts(inputs: PlanInputs) -> str:
+    if not inputs.rollout_rows:
+        return ""
+    held = "held" if inputs.reference else "not held"
+    return f", GRPO rollouts of {inputs.rollout_rows} x {inputs.rollout_tokens} tokens per rank, reference model {held}"
+
+
 def format_table(shape: ModelShape, inputs: PlanInputs, plans: list[StrategyPlan], chosen: StrategyPlan | None) -> str:
     experts = (f", {shape.experts / 1e6:.1f}M in experts, {shape.active / 1e6:.1f}M active per token"
                if shape.experts else "")
@@ -543,12 +600,13 @@ def format_table(shape: ModelShape, inputs: PlanInputs, plans: list[StrategyPlan
             f"{'' if inputs.mixed_precision == 'no' else ' + ' + inputs.mixed_precision}"
             f"{f', {inputs.quant_bits}-bit base' if inputs.quant_bits else ''}"
             f"{', 8-bit optimizer' if inputs.optim_bits == 8 else ''}"
-            f"{(', DPO pairs, reference model ' + ('held' if inputs.reference else 'not held')) if inputs.pairs else ''}")
+            f"{(', DPO pairs, reference model ' + ('held' if inputs.reference else 'not held')) if inputs.pairs else ''}"
+            f"{_rollouts(inputs)}")
     cols = ["strategy", "params", "grads", "optimizer", "model state", "offloaded", "reference", "transient",
-            "activations", "runtime", "peak", "fits"]
+            "activations", "generation", "runtime", "peak", "fits"]
     estimated = [p for p in plans if p.refused is None]
     rows = [[p.strategy, *(_size(v) for v in (p.params, p.grads, p.optimizer, p.model_state, p.offloaded, p.reference,
-                                              p.transient, p.activations, p.runtime, p.device_total)),
+                                              p.transient, p.activations, p.generation, p.runtime, p.device_total)),
              "yes" if p.fits else "no"] for p in estimated]
     widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]
     lines = [head, "", "  ".join(c.ljust(w) for c, w in zip(cols, widths))]

@@ -47,6 +47,7 @@ class ModelShape:
     quantizable_rows: int = 0  # their output rows (8-bit: one fp32 scale each)
     optim_8bit: int = 0  # trainable elements an 8-bit optimizer keeps in 8 bits
     optim_8bit_tensors: int = 0
+    kv_width: int = 0  # key (and value) elements one token caches per layer: key/value heads x head size
     experts: int = 0  # a mixture of experts' expert weights (all held, whatever a token uses)
     active: int = 0  # the parameters one token uses (its top-k experts of each MoE layer); 0: all of them
     largest_block_experts: int = 0  # the expert weights inside the biggest block (expert parallel splits them)
@@ -72,6 +73,8 @@ class PlanInputs:
     pairs: bool = False  # DPO: a micro-batch is pairs, chosen and rejected through one forward (2 x micro_batch rows)
     reference: bool = False  # DPO: a frozen reference model beside the policy (none under LoRA or precomputed log-probs)
     reference_params: int | None = None  # DPO: a separately named reference's parameters (None: the policy's)
+    rollout_rows: int = 0  # GRPO: the completions a rank generates at once (per-device batch x steps per generation)
+    rollout_tokens: int = 0  # GRPO: the longest prompt + max_completion_length (the KV cache's length)
     ep_size: int = 0  # expert parallel: ranks each MoE layer's experts are split over (0: the world size)
 
 
@@ -88,7 +91,8 @@ class StrategyPlan:
     runtime: int
     offloaded: int  # model state held in host memory instead of the device
     fits: bool = False
-    reference: int = 0  # DPO's frozen reference model, as this strategy holds it (no gradients, no optimizer)
+    reference: int = 0  # DPO's / GRPO's frozen reference model, as this strategy holds it (no gradients, no optimizer)
+    generation: int = 0  # GRPO's rollouts on top of the model state: the KV cache, the last logits, gathered weights
     refused: str | None = None  # why this model cannot run under the strategy (then the bytes are 0, not estimated)
 
     @classmethod
@@ -102,8 +106,10 @@ class StrategyPlan:
 
     @property
     def device_total(self) -> int:
-        """Predicted peak on one device (on CPU: the process's peak RSS)."""
-        return self.model_state - self.offloaded + self.reference + self.transient + self.activations + self.runtime
+        """Predicted peak on one device (on CPU: the process's peak RSS): the larger of training's moment
+        (activations) and GRPO's generation, which do not overlap."""
+        return (self.model_state - self.offloaded + self.reference + self.transient + max(self.activations, self.generation)
+                + self.runtime)
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "model_state": self.model_state, "device_total": self.device_total}

@@ -19,7 +19,7 @@ from hftk.data.dataset import check_holdouts, combined_format, load_sources
 from hftk.data.preference import load_preference_sources
 from hftk.engine.run_types import PreparedRun
 from hftk.launch import configs
-from hftk.models.loading import load_model_config, load_tokenizer, resolve_model_path
+from hftk.models.loading import load_model_config, load_tokenizer, quantized_field, resolve_model_path
 from hftk.plan import estimate
 from hftk.run import validate
 
@@ -47,7 +47,7 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
         cfg.strategy.strategy = estimate.resolve_auto(cfg, model_config, world_size)
     # after auto: the strategy that runs
     support.check_method(cfg.strategy.strategy, cfg.preference.method, cfg.model.lora_r,
-                         cfg.preference.precompute_ref_log_probs)
+                         cfg.preference.precompute_ref_log_probs, quantized_field(cfg.model))
     strategy_table.get(cfg.strategy.strategy).validate(cfg, world_size)
     validate.check_samples(cfg, model_config)  # the prompt file's rows, with the run's tokenizer and template
     if read_tokenized and cfg.data.tokenized_path:
@@ -57,6 +57,12 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
                                                              cfg.data.add_chat_tokens))
         return PreparedRun(cfg=cfg, model_config=model_config, raw=None, data_format=tokenized.data_format,
                            world_size=world_size, tokenized=tokenized)
+    if cfg.preference.method == "grpo":  # TRL's GRPOTrainer renders the prompts at every step
+        sources = grpo_sources(cfg, model_config)
+        validate.check_samples(cfg, model_config, sources)  # num_eval_samples: the held-out prompts
+        resolve_model_path(cfg.model)
+        return PreparedRun(cfg=cfg, model_config=model_config, raw=sources[0].raw, data_format=sources[0].fmt,
+                           world_size=world_size, sources=sources)
     if cfg.preference.method == "dpo":  # TRL's DPOTrainer tokenises the pairs; only the rows are checked here
         sources = load_preference_sources(cfg.data)
         validate.check_samples(cfg, model_config, sources)  # num_eval_samples: the held-out pairs' prompts
@@ -74,6 +80,22 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
     resolve_model_path(cfg.model)  # valid input: a built-in is written now, before any process group
     return PreparedRun(cfg=cfg, model_config=model_config, raw=sources[0].raw, data_format=combined_format(sources),
                        world_size=world_size, sources=sources)
+
+
+def grpo_sources(cfg: RunConfig, model_config: Any) -> list[Any]:
+    """GRPO's prompt datasets, checked: the reward functions load and take what TRL passes, the prompts are TRL's
+    formats and at most ``data.block_size`` tokens (longer ones dropped, counted), every column a reward function
+    requires is in the data."""
+    from hftk.data.prompts import fit_prompts, load_prompt_sources
+    from hftk.engine.rewards import check_columns, load_reward_funcs
+
+    funcs = load_reward_funcs(cfg.rl.reward_funcs or [])
+    sources = load_prompt_sources(cfg.data)
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template, cfg.data.add_chat_tokens)  # the run's rendering
+    fit_prompts(sources, tokenizer, cfg.data.block_size, announce=is_main_process())
+    for source in sources:
+        check_columns(cfg.rl.reward_funcs, funcs, source.raw[source.cfg.train_split].column_names, source.cfg.dataset)
+    return sources
 
 
 def trains_on_cpu(cfg: RunConfig) -> bool:
@@ -94,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     startup.mark("prepare")
     output.announce_cpu(is_main_process())
     engine = strategy_table.spec(prepared.cfg.strategy.strategy).engine
-    if prepared.cfg.preference.method == "dpo":  # the Trainer path with TRL's DPOTrainer (ddp only: support table)
-        engine = "preference"
+    if prepared.cfg.preference.method != "sft":  # the Trainer path with TRL's trainer (support table's strategies)
+        engine = {"dpo": "preference", "grpo": "rl"}[prepared.cfg.preference.method]
     resume = _resume_checkpoint(prepared.cfg.output_dir, prepared.cfg.training.get("resume_from_checkpoint"))
     resumed_step = _checkpoint_step(resume)
     if resumed_step is not None and _already_complete(prepared.cfg, resume, resumed_step):
@@ -167,9 +189,11 @@ def _done(cfg: RunConfig, resumed_step: int | None) -> str:
     record = json.loads((final / RUN_FILE).read_text())
     metrics = record["metrics"]
     accuracy = metrics.get("eval_rewards/accuracies") if cfg.preference.method == "dpo" else None
+    rewards = {k: metrics[k] for k in ("train_reward", "train_reward_step", "eval_reward") if k in metrics} \
+        if cfg.preference.method == "grpo" else None
     return output.done_line(startup.elapsed(), record["global_step"], metrics.get("eval_loss"), str(final),
                             resumed_step, cfg.training.get("resume_from_checkpoint") == "latest",
-                            _checkpoint_step(_resume_checkpoint(cfg.output_dir, "latest")), accuracy)
+                            _checkpoint_step(_resume_checkpoint(cfg.output_dir, "latest")), accuracy, rewards)
 
 
 def preprocess_command(argv: list[str]) -> int:
@@ -208,14 +232,14 @@ def _tokenized_pairs(prepared: PreparedRun, tokenizer: Any) -> Any:
     what hftk does not set), held to ``max_length`` as ``data.truncation`` says."""
     from trl import DPOConfig
 
-    from hftk.data.dataset import TokenizedData
-    from hftk.data.preference import fit_pairs, preference_rows, tokenize_pairs
+    from hftk.data.dataset import TokenizedData, split_and_mix
+    from hftk.data.preference import fit_pairs, tokenize_pairs
     from hftk.engine.preference import dpo_options
 
     cfg = prepared.cfg
     args = DPOConfig(output_dir=cfg.data.tokenized_path, max_length=dpo_options(cfg)["max_length"],
                      dataset_num_proc=cfg.data.preprocessing_num_workers, report_to="none", use_cpu=True)
-    splits = dict(zip(("train", "eval"), preference_rows(prepared.sources, cfg.training["seed"])))
+    splits = dict(zip(("train", "eval"), split_and_mix(prepared.sources, cfg.training["seed"])))
     pairs = {name: fit_pairs(tokenize_pairs(rows, tokenizer, args, name), len(rows), args.max_length,
                              cfg.data.truncation, name, announce=True)
              for name, rows in splits.items() if rows is not None}

@@ -29,16 +29,113 @@ def launch_world_size() -> int:
 
 
 def check_preference(cfg: RunConfig) -> None:
-    """DPO's options (training.method and the preference section): values, and the strategy's support."""
+    """DPO's and GRPO's options (training.method, the preference and rl sections): values, combinations."""
+    from hftk.config.options import DPO_LOSS_TYPES, GRPO_LOSS_TYPES
+
     p = cfg.preference
-    if not 0 < p.beta <= 100:  # exp(-beta * margin) in TRL's losses: larger values only overflow
+    if p.method == "grpo":
+        if not 0 <= p.beta <= 100:  # a KL weight; larger values only drown the rewards
+            raise HftkError("training.beta", f"must be in [0, 100] under --method grpo, got {p.beta}.",
+                            "set e.g. 0.04, or 0 (TRL's default: no reference model).")
+    elif not 0 < p.beta <= 100:  # exp(-beta * margin) in TRL's losses: larger values only overflow
         raise HftkError("training.beta", f"must be in (0, 100], got {p.beta}.", "set e.g. 0.1 (TRL's default).")
+    own = GRPO_LOSS_TYPES if p.method == "grpo" else DPO_LOSS_TYPES
+    if p.method != "sft" and p.loss_type not in own:
+        raise HftkError("training.loss_type", f"'{p.loss_type}' is not a {p.method.upper()} loss.",
+                        f"use one of TRL's {p.method.upper()} losses: {', '.join(own)}.")
+    if p.method == "grpo":
+        check_grpo(cfg)
+    else:
+        _refuse_grpo_options(cfg)
     if p.max_length is not None and p.max_length < 1:
         raise HftkError("training.max_length", f"must be a positive integer, got {p.max_length}.",
                         "remove it (data.block_size is used) or set e.g. 512.")
     if p.method == "dpo" and p.ref_model_name_or_path and cfg.model.lora_r > 0:
         raise HftkError("training.ref_model_name_or_path", "with LoRA the reference is the base with the adapter "
                         "disabled, so a separate reference model is never read.", "remove --ref_model_name_or_path.")
+
+
+def _refuse_grpo_options(cfg: RunConfig) -> None:
+    """A GRPO option on a run of another method would be ignored in silence."""
+    import dataclasses
+
+    for f in dataclasses.fields(cfg.rl):
+        if getattr(cfg.rl, f.name) is not None and getattr(cfg.rl, f.name) is not False:
+            raise HftkError(f"training.{f.name}", f"is set but training.method is {cfg.preference.method}: only "
+                            "--method grpo reads it.", f"pass --method grpo, or drop --{f.name}.")
+
+
+def check_grpo(cfg: RunConfig) -> None:
+    """GRPO's options, before any process group: values, the batch its groups divide, what it cannot read."""
+    r, a = cfg.rl, cfg.args
+    field = "training.reward_funcs"
+    if not r.reward_funcs:
+        raise HftkError(field, "--method grpo needs at least one reward function.",
+                        "pass --reward_funcs FILE.py:NAME (a function of completions and **kwargs returning floats).")
+    if r.reward_weights is not None and len(r.reward_weights) != len(r.reward_funcs):
+        raise HftkError("training.reward_weights", f"holds {len(r.reward_weights)} weights for {len(r.reward_funcs)} "
+                        "reward functions.", "give one weight per --reward_funcs entry, in its order.")
+    if r.reward_weights is not None and not all(abs(w) < float("inf") for w in r.reward_weights):
+        raise HftkError("training.reward_weights", "holds a non-finite weight.", "use finite numbers, e.g. 1.0 0.5.")
+    for name, value, accepted, what in [
+            ("num_generations", r.num_generations, r.num_generations is None or r.num_generations >= 2,
+             "at least 2 (the advantages compare completions of one prompt)"),
+            ("max_completion_length", r.max_completion_length,
+             r.max_completion_length is None or r.max_completion_length >= 1, "at least 1"),
+            ("epsilon", r.epsilon, r.epsilon is None or r.epsilon > 0, "> 0 (e.g. 0.2)"),
+            ("epsilon_high", r.epsilon_high, r.epsilon_high is None or r.epsilon_high > 0, "> 0 (e.g. 0.28)"),
+            ("num_iterations", r.num_iterations, r.num_iterations is None or r.num_iterations >= 1, "at least 1")]:
+        if not accepted:
+            raise HftkError(f"training.{name}", f"must be {what}, got {value!r}.", f"set --{name} {what}, or unset.")
+    world = launch_world_size()
+    generations = r.num_generations or 8  # GRPOConfig's default
+    batch = a.per_device_train_batch_size * a.gradient_accumulation_steps * world
+    if batch % generations:
+        raise HftkError("training.num_generations", f"{generations} does not divide the global batch of {batch} "
+                        f"(per_device_train_batch_size {a.per_device_train_batch_size} x gradient_accumulation_steps "
+                        f"{a.gradient_accumulation_steps} x {world} ranks): every prompt needs its whole group.",
+                        _group_fix(generations, batch, a.per_device_train_batch_size, world,
+                                   a.gradient_accumulation_steps))
+    evaluates = (cfg.data.eval_fraction > 0 or cfg.data.eval_split) and cfg.training.get("eval_strategy") != "no"
+    if evaluates and (a.per_device_eval_batch_size * world) % generations:
+        raise HftkError("training.per_device_eval_batch_size", f"{a.per_device_eval_batch_size} x {world} ranks is "
+                        f"not a multiple of num_generations {generations}: each evaluated prompt needs its group.",
+                        f"use --per_device_eval_batch_size {_multiple_per_rank(generations, world)} (or a multiple), "
+                        "or --eval_fraction 0.")
+    if cfg.data.tokenized_path:
+        raise HftkError("data.tokenized_path", "--method grpo: TRL's GRPOTrainer renders each prompt at every step, so "
+                        "hftk preprocess has nothing to save for it.", "drop --tokenized_path (and hftk preprocess).")
+    if cfg.data.truncation != "drop":
+        raise HftkError("data.truncation", f"is {cfg.data.truncation}, but GRPO prompts are kept whole: those longer "
+                        "than data.block_size are dropped.", "drop --truncation, or raise --block_size.")
+    if r.use_vllm:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
+            raise HftkError("training.use_vllm", "needs vLLM installed and a GPU" + (
+                "" if torch.cuda.is_available() else " (this machine has none)") + ".",
+                "drop --use_vllm (transformers' generate samples the rollouts), or pip install vllm on a GPU machine.")
+        if cfg.strategy.strategy == "fsdp":
+            raise HftkError("training.use_vllm", "is not supported with strategy fsdp: TRL syncs vLLM's weights from "
+                            "FSDP1 or whole modules, not hftk's FSDP2 shards.", "use ddp or a ZeRO strategy with vLLM.")
+
+
+def _group_fix(generations: int, batch: int, per_device: int, world: int, accumulation: int) -> str:
+    """The nearest per-device batch sizes whose global batch holds whole groups, and the group sizes that divide
+    this batch."""
+    step = _multiple_per_rank(generations, world * accumulation)
+    sizes = [n for n in range(step, step * 3 + 1, step)]
+    divisors = [g for g in range(2, batch + 1) if batch % g == 0][:6]
+    return (f"use --per_device_train_batch_size {' or '.join(map(str, sizes[:2]))} (a global batch of "
+            f"{sizes[0] * world * accumulation} or {sizes[1] * world * accumulation})"
+            + (f", or --num_generations {' or '.join(map(str, divisors))}" if divisors else "") + ".")
+
+
+def _multiple_per_rank(generations: int, ranks: int) -> int:
+    """The smallest per-rank count whose total over ``ranks`` is a multiple of ``generations``."""
+    import math
+
+    return generations // math.gcd(generations, ranks)
 
 
 def _samples_field(cfg: RunConfig) -> str:
@@ -52,7 +149,8 @@ def check_samples_options(cfg: RunConfig) -> None:
 
     s = cfg.samples
     for name, value in (("temperature", s.temperature), ("top_p", s.top_p)):
-        if value != 1.0 and not s.do_sample:  # GenerationConfig would only warn, and decode greedily
+        # GenerationConfig would only warn, and decode greedily; under GRPO they are the rollouts' (always sampled)
+        if value != 1.0 and not s.do_sample and cfg.preference.method != "grpo":
             raise HftkError(f"samples.{name}", f"is {value} but greedy decoding ignores it.",
                             f"pass --do_sample to sample, or drop --{name}.")
     if s.eval_prompts and s.num_eval_samples:
@@ -373,6 +471,12 @@ def check_model(cfg: RunConfig, model_config: Any) -> None:
     if limit is not None and (cfg.preference.max_length or 0) > limit:
         raise HftkError("training.max_length", f"{cfg.preference.max_length} exceeds the model's context length "
                         f"{limit}.", f"set training.max_length to {limit} or less.")
+    completion = cfg.rl.max_completion_length or 512  # GRPOConfig's default
+    if cfg.preference.method == "grpo" and limit is not None and cfg.data.block_size + completion > limit:
+        raise HftkError("training.max_completion_length", f"{completion} new tokens after a prompt of up to "
+                        f"{cfg.data.block_size} (data.block_size) exceed the model's context length {limit}.",
+                        f"set --max_completion_length {max(limit - cfg.data.block_size, 1)} or less, or lower "
+                        "--block_size (the longest prompt kept).")
     check_reference(cfg, model_config)
     check_lora(cfg, model_config)
     check_moe(cfg, model_spec(model_config, cfg.model.trust_remote_code))
@@ -422,9 +526,18 @@ def check_data(cfg: RunConfig, data_format: str) -> None:
 
 
 def resolve_packing(cfg: RunConfig, data_format: str) -> None:
-    """``data.packing`` from ``auto`` to the mode the formats and strategy call for, then the support
-    table's refusals (strategy, attention implementation)."""
+    """``data.packing`` from ``auto`` to the mode the formats, strategy and model call for (bfd only where the
+    model's masks keep packed examples apart: :attr:`hftk.models.spec.ModelSpec.packing_problem`), then the
+    support table's refusals (strategy, attention implementation)."""
+    from hftk.models.loading import load_model_config
+
     d = cfg.data
+    apart = model_spec(load_model_config(cfg.model), cfg.model.trust_remote_code).packing_problem
+    if apart and d.packing == "bfd":
+        raise HftkError("data.packing", f"bfd would pack examples into shared rows, and {apart}.",
+                        "use --packing none (one example per row), or leave it auto.")
+    if apart and d.packing == "auto" and data_format != "text":
+        d.packing = "none"  # the model cannot keep packed examples apart: one per row
     d.packing = support.resolve_packing(cfg.strategy.strategy, data_format, d.packing, cfg.model.attn_implementation)
     if d.packing == "concat" and "messages" in data_format.split("+"):
         raise HftkError("data.packing", "concat would join conversations so that each attends to the one before it.",

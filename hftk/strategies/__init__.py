@@ -14,7 +14,9 @@ A strategy driven by the HF Trainer (``engine == "trainer"``) also answers:
   before the Trainer sees it (identity for DDP and DeepSpeed, which the Trainer wraps).
 - ``verify(trainer)``: called at train begin; raise if the run is not really distributed
   the way its name says (the field's silent fallbacks to DDP or to one process).
-- ``save_final(trainer, out_dir)``: write a complete, consolidated HF folder.
+- ``save_final(trainer, out_dir)``: write a complete, consolidated HF folder into the engine's final save
+  (:func:`hftk.checkpoint.atomic.staged_folder`: every rank settles there, a failure on one reaches all; no
+  collective after a rank-local check).
 - optional ``callbacks(trainer) -> list``: Trainer callbacks the strategy needs, run after the
   world guard (DeepSpeed shares ZeRO-3's fp32 master with the parameters at train begin).
 - optional ``trainer_factory(cfg) -> callable``: builds the Trainer instead of

@@ -41,4 +41,9 @@ def verify(trainer: Any) -> None:
 
 
 def save_final(trainer: Any, out_dir: Path) -> None:
+    """The Trainer's own save of the whole model (rank 0), proven complete like every strategy's."""
     trainer.save_model(str(out_dir))
+    if trainer.args.should_save:
+        from hftk.checkpoint.hf_folder import check_complete, shapes_of
+
+        check_complete(out_dir, shapes_of(trainer.model))

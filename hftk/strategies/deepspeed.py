@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hftk.checkpoint.atomic import COMPLETE_MARKER, resolve_resume, saved_world
@@ -371,7 +370,8 @@ def trainer_factory(cfg: RunConfig, base: type | None = None) -> Any:
 
 def save_final(trainer: Any, out_dir: Path) -> None:
     """ZeRO-1/2 save the module each rank holds (:func:`_save_whole_module`); the Trainer gathers ZeRO-3
-    partitions (16-bit gather flag on); then prove the folder complete."""
+    partitions (16-bit gather flag on); then prove the folder complete. No collective after the check: the
+    caller's save settles every rank (:func:`hftk.checkpoint.atomic.staged_folder`), also when it fails."""
     if trainer.model_wrapped.zero_optimization_stage() < 3:
         _save_whole_module(trainer, str(out_dir))
     else:
@@ -380,8 +380,6 @@ def save_final(trainer: Any, out_dir: Path) -> None:
         from hftk.checkpoint.hf_folder import check_complete, shapes_of
 
         check_complete(out_dir, shapes_of(trainer.model))
-    if dist.is_initialized():
-        dist.barrier()
 
 
 # ---- checkpoints: detection and consolidation for `hftk export` ----

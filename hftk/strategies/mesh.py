@@ -287,10 +287,10 @@ class MeshStep:
 
         read_state(folder, self.layout, optimizer)
 
-    def save_final(self, out: Path, tokenizer: Any, write_extra: Callable[[Path], None], step: int) -> None:
+    def save_final(self, folder: Path, tokenizer: Any) -> None:
         from hftk.strategies.mesh_checkpoint import save_hf_folder
 
-        save_hf_folder(out, self.layout, tokenizer, write_extra)
+        save_hf_folder(folder, self.layout, tokenizer)
 
     def consolidated_model(self, adapter: Any = None) -> torch.nn.Module | None:
         """Collective: every shard gathered to rank 0, which gets a one-process HF model of the current weights

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hftk.checkpoint.atomic import staged_folder
 from hftk.checkpoint.hf_folder import check_complete, model_from, read_dcp_model, shapes_of
 from hftk.strategies.tp_plans import to_hf_state_dict
 
@@ -86,19 +85,15 @@ def gathered_model(layout: Any, adapter: Any = None) -> torch.nn.Module | None:
     return model_from(config, to_hf_state_dict(full), Path("<live model>"), runnable=True)
 
 
-def save_hf_folder(out: Path, layout: Any, tokenizer: Any, write_extra: Callable[[Path], None]) -> None:
-    """Collective: gather every shard to rank 0, which writes a standard HF folder; it appears whole or not at all.
-
-    ``write_extra(folder)`` adds files beside the weights on rank 0 (the run record and model card).
-    """
+def save_hf_folder(folder: Path, layout: Any, tokenizer: Any) -> None:
+    """Collective: gather every shard to rank 0, which writes a standard HF folder into ``folder`` (the engine's
+    final save, :func:`hftk.checkpoint.atomic.staged_folder`) and proves it complete."""
     full = _full_state(layout)
-    with staged_folder(Path(out), publisher=dist.get_rank() == 0) as folder:
-        if dist.get_rank() == 0:
-            model = model_from(layout.model.config, to_hf_state_dict(full), Path(out))
-            model.save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
-            check_complete(folder, shapes_of(model))
-            write_extra(folder)
+    if dist.get_rank() == 0:
+        model = model_from(layout.model.config, to_hf_state_dict(full), Path(folder))
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        check_complete(folder, shapes_of(model))
 
 
 def is_mesh_checkpoint(folder: Path) -> bool:

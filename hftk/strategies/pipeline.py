@@ -776,28 +776,25 @@ class PipelineStep:
             return model_from(self.config, state, Path("<live model>"), runnable=True)
         return peft_model_from(self.config, adapter, state)
 
-    def save_final(self, out: Path, tokenizer: Any, write_extra: Any, step: int) -> None:
-        """Collective: the stages written once more, then rank 0 consolidates them into one HF folder."""
+    def save_final(self, folder: Path, tokenizer: Any) -> None:
+        """Collective: the stages written once more, then rank 0 consolidates them into one HF folder in ``folder``
+        (the engine's final save, :func:`hftk.checkpoint.atomic.staged_folder`)."""
         import shutil
 
-        from hftk.checkpoint.atomic import staged_folder, staging_root
         from hftk.checkpoint.hf_folder import check_complete, model_from, shapes_of
 
-        stages = staging_root(out.parent) / "final-stages"
+        stages = folder / "stages"  # removed again before the folder is published
         if dist.get_rank() == 0:
-            shutil.rmtree(stages, ignore_errors=True)
-            stages.mkdir(parents=True)
+            stages.mkdir()
         dist.barrier()
         self.save(stages, None)
         dist.barrier()
-        with staged_folder(out, publisher=dist.get_rank() == 0, step=step) as final:
-            if dist.get_rank() == 0:
-                model = model_from(self.config, pipeline_state_dict(stages), out)
-                model.save_pretrained(final)
-                tokenizer.save_pretrained(final)
-                check_complete(final, shapes_of(model))
-                shutil.rmtree(stages)
-                write_extra(final)
+        if dist.get_rank() == 0:
+            model = model_from(self.config, pipeline_state_dict(stages), folder)
+            shutil.rmtree(stages)
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            check_complete(folder, shapes_of(model))
 
 
 def build_step(model: nn.Module, cfg: RunConfig, args: Any) -> PipelineStep:

@@ -50,6 +50,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup_steps", type=int, default=0)
     p.add_argument("--weight_decay", type=float, default=0.0)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
+    p.add_argument("--adam_epsilon", type=float, default=1e-8)
     p.add_argument("--optim", choices=("adamw_torch", "adamw_torch_fused"), default="adamw_torch_fused",
                    help="torch's AdamW, foreach or fused (the Trainer's default on torch >= 2.8)")
     p.add_argument("--loss_divisor", choices=("targets", "labels"), default="targets",
@@ -131,7 +132,8 @@ def run_trainer(args: argparse.Namespace, model: Any, train: Any, held_out: Any)
         output_dir=str(Path(args.out) / "trainer"), use_cpu=True, seed=args.seed, max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
         learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, optim=args.optim, logging_steps=1,
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, optim=args.optim,
+        adam_epsilon=args.adam_epsilon, logging_steps=1,
         save_strategy="no",
         eval_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=held_out,
@@ -155,7 +157,8 @@ def run_loop(args: argparse.Namespace, model: Any, train: Any, held_out: Any) ->
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, fused=args.optim == "adamw_torch_fused" or None)
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, eps=args.adam_epsilon,
+                                  fused=args.optim == "adamw_torch_fused" or None)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=args.max_steps)
     per_epoch = len(train) // args.batch_size

@@ -38,6 +38,7 @@ RUN_BY = {
     "chat-lora": "tests/integration/test_readme.py",
     "generate-default": "tests/integration/test_readme.py",
     "dpo-recipe": "tests/integration/test_dpo.py",
+    "grpo-recipe": "tests/integration/test_grpo.py",
     "plan-recipe": "tests/unit/test_readme.py",
     "configs": "tests/unit/test_readme.py",
 }

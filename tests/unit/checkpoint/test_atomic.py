@@ -123,10 +123,25 @@ def test_a_write_refused_by_the_file_size_limit_is_named_even_when_torch_hides_t
     assert not (tmp_path / STAGING_DIR).exists() and list_checkpoints(tmp_path) == [previous]
 
 
-def test_a_failure_that_is_not_a_full_disk_is_raised_as_it_is(tmp_path):
-    with pytest.raises(ValueError, match="a bug"), staged_folder(tmp_path / "checkpoint-2", publisher=True):
+def test_a_failure_that_is_not_a_full_disk_is_one_line_with_its_traceback_printed(tmp_path, capsys):
+    """A bug in a save: one line naming it (what every rank reports), its stack printed where it happened."""
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "model.safetensors").write_bytes(b"the previous weights")
+    with pytest.raises(HftkError) as caught, staged_folder(final, publisher=True):
         raise ValueError("a bug")
-    assert not (tmp_path / STAGING_DIR).exists() and not (tmp_path / "checkpoint-2").exists()
+    assert caught.value.one_line().startswith(
+        f"training.output_dir: saving {final} failed: ValueError: a bug ({final} keeps its previous content).")
+    err = capsys.readouterr().err
+    assert "Traceback" in err and 'raise ValueError("a bug")' in err
+    assert not (tmp_path / STAGING_DIR).exists() and (final / "model.safetensors").read_bytes() == b"the previous weights"
+
+
+def test_an_hftk_error_in_a_save_keeps_its_field_and_fix(tmp_path):
+    with pytest.raises(HftkError) as caught, staged_folder(tmp_path / "checkpoint-2", publisher=True):
+        raise HftkError("output", "the folder lacks x.", "gather first.")
+    assert caught.value.one_line() == (f"output: saving {tmp_path / 'checkpoint-2'} failed: the folder lacks x. (no "
+                                       "earlier checkpoint exists) Fix: gather first.")
 
 
 def test_a_write_failure_inside_a_save_is_held_until_the_save_ends():

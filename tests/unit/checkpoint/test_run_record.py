@@ -26,3 +26,17 @@ def test_a_supervised_run_names_no_preference_options(tmp_path) -> None:
     assert not {"method", "beta", "loss_type"} & set(record["hyperparameters"])
     card = model_card(record, None)
     assert "DPO" not in card and "- dpo\n" not in card
+
+
+def test_a_grpo_run_says_grpo_with_its_rewards_and_group(tmp_path) -> None:
+    record = _record(["--method", "grpo", "--reward_funcs", "r.py:exact,think_format_reward", "--num_generations",
+                      "4", "--beta", "0.04"], tmp_path)
+    hyper = record["hyperparameters"]
+    assert {k: hyper[k] for k in ("method", "beta", "loss_type", "reward_funcs", "num_generations",
+                                  "max_completion_length")} == {
+        "method": "grpo", "beta": 0.04, "loss_type": "dapo", "reward_funcs": "r.py:exact,think_format_reward",
+        "num_generations": 4, "max_completion_length": 512}
+    card = model_card(record, None)
+    assert ("- method: **GRPO** (Group Relative Policy Optimization, TRL's GRPOTrainer), rewards "
+            "`r.py:exact,think_format_reward`, 4 completions per prompt, beta 0.04, loss dapo") in card
+    assert "- grpo\n" in card.split("---")[1]

@@ -103,3 +103,27 @@ def test_precomputed_log_probs_are_refused_by_the_support_table_under_fsdp_only(
     assert info.value.field == "training.precompute_ref_log_probs" and "strategy fsdp" in info.value.problem
     for strategy in ("ddp", "zero1", "zero2", "zero3", "zero3_offload"):
         support.check_method(strategy, "dpo", 0, precompute_ref_log_probs=True)
+
+
+def test_grpo_loss_types_and_method_defaults_are_trls() -> None:
+    from trl import DPOConfig, GRPOConfig
+
+    from hftk.config.options import GRPO_LOSS_TYPES, METHOD_DEFAULTS
+
+    help_text = next(f for f in dataclasses.fields(GRPOConfig) if f.name == "loss_type").metadata["help"]
+    offered = set(help_text.split("Supported values are ", 1)[1].split(". ")[0].replace("and ", "").replace("'", "")
+                  .replace(" ", "").split(","))
+    assert set(GRPO_LOSS_TYPES) == offered
+    for method, config in (("dpo", DPOConfig), ("grpo", GRPOConfig)):
+        trl = {f.name: f.default for f in dataclasses.fields(config)}
+        trl["loss_type"] = trl["loss_type"] if isinstance(trl["loss_type"], str) else "sigmoid"  # DPO: a list field
+        assert METHOD_DEFAULTS[method] == {k: trl[k] for k in METHOD_DEFAULTS[method]}, method
+
+
+def test_unset_beta_and_loss_type_mean_each_methods_default() -> None:
+    assert (load_config(["--method", "grpo"]).preference.beta, load_config(["--method", "grpo"]).preference.loss_type) \
+        == (0.0, "dapo")
+    assert (load_config(["--method", "dpo"]).preference.beta, load_config([]).preference.loss_type) == (0.1, "sigmoid")
+    cfg = load_config(["--method", "grpo", "--reward_funcs", "a.py:f,b.py:g", "--reward_funcs", "c.py:h"])
+    assert cfg.rl.reward_funcs == ["c.py:h"]  # the last given wins, as for every option
+    assert load_config(["--method", "grpo", "--reward_funcs", "a.py:f,b.py:g"]).rl.reward_funcs == ["a.py:f", "b.py:g"]

@@ -23,3 +23,31 @@ def test_done_line_of_a_run_that_resumed_at_its_last_step():
 def test_done_line_of_a_dpo_run_says_its_loss_and_preference_accuracy_not_a_perplexity():
     line = done_line(5.0, 60, 0.4321, "out/final", None, resumes=True, newest_checkpoint=None, preference_accuracy=0.9)
     assert "eval DPO loss 0.4321, preference accuracy 0.900;" in line and "perplexity" not in line
+
+
+def test_done_line_of_a_grpo_run_says_its_final_mean_reward():
+    line = done_line(5.0, 30, 0.01, "out/final", None, resumes=False, newest_checkpoint=None,
+                     rewards={"train_reward": 0.25, "train_reward_step": 30, "eval_reward": 0.125})
+    assert line.startswith("hftk: done: step 30 in 5 s, final mean reward 0.2500 (step 30), eval reward 0.1250; ")
+    assert "perplexity" not in line
+    assert "no reward logged" in done_line(5.0, 3, None, "f", None, resumes=False, newest_checkpoint=None, rewards={})
+
+
+def test_trls_is_gradient_checkpointing_notice_is_quiet_at_its_source():
+    """TRL reads transformers' deprecated alias around every generation (DPO's and GRPO's reference forwards too):
+    after ``quiet_libraries`` the property warns nothing; transformers' other FutureWarnings still show."""
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hftk.core.output import quiet_libraries
+    from hftk.data.builtin import materialize_model
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(materialize_model("builtin:gpt2-tiny")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        quiet_libraries(on_cpu=True)
+        assert model.is_gradient_checkpointing is False
+        warnings.warn_explicit("`other` is deprecated", FutureWarning, "modeling_utils.py", 1,
+                               module="transformers.modeling_utils")
+    assert [str(w.message) for w in caught] == ["`other` is deprecated"]

@@ -405,7 +405,10 @@ def test_local_file_formats(tmp_path, suffix, write):
 # dynamic padding (``none``) gives the block-padded loss. The same checks through the pipeline stages and the
 # mesh step's batch: tests/unit/strategies/test_pipeline.py, test_mesh.py.
 
-FAMILIES = MATRIX_FAMILIES
+# gpt-oss builds its masks without the position ids: it cannot keep packed examples apart, and hftk refuses bfd
+# for it (test_a_model_whose_masks_ignore_position_ids_is_never_packed below)
+FAMILIES = tuple(f for f in MATRIX_FAMILIES if f != "gpt_oss")
+ATTENTION: dict[str, str] = {}  # families whose attention needs another implementation than sdpa
 
 
 LENGTHS = (5, 31, 12, 3, 20, 9, 17, 2, 26, 8)  # whole examples, block 32: several share a block
@@ -475,7 +478,8 @@ def assert_examples_apart(model, items: list[dict[str, list[int]]], batch: dict[
 # Two layouts: the packed rows kept apart (sdpa / eager) and flattened into one row (what flash
 # attention's varlen path needs; sdpa reads the same position ids there too).
 @pytest.mark.parametrize("layout", ["rows", "flat"])
-@pytest.mark.parametrize("family,attn", [*((f, "sdpa") for f in FAMILIES), ("gpt2", "eager"), ("llama", "eager")])
+@pytest.mark.parametrize("family,attn", [*((f, ATTENTION.get(f, "sdpa")) for f in FAMILIES), ("gpt2", "eager"),
+                                         ("llama", "eager")])
 def test_bfd_example_equals_the_example_alone(family_models, family, attn, layout):
     from transformers import AutoModelForCausalLM
 
@@ -510,3 +514,24 @@ def test_dynamic_padding_gives_the_block_padded_loss_on_fewer_tokens(family_mode
         losses[name], tokens[name] = total / count, computed
     assert losses["dynamic"] == pytest.approx(losses["block"], abs=1e-6)
     assert tokens["dynamic"] < tokens["block"] == 32 * len(LENGTHS)
+
+
+def test_a_model_whose_masks_ignore_position_ids_is_never_packed(tmp_path, monkeypatch):
+    """gpt-oss builds its masks without the position ids, so examples packed into a row would attend to each other:
+    bfd is refused by name and auto gives one conversation per row."""
+    import json
+
+    from hftk.core.errors import HftkError
+    from tests.helpers import make_family
+
+    model = make_family("gpt_oss", tmp_path / "gpt_oss")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Q{i}?"},
+                                                     {"role": "assistant", "content": "Yes."}]}) + "\n"
+                            for i in range(8)))
+    args = ["--model_name_or_path", str(model), "--dataset", str(chat), "--chat_template", "chatml",
+            "--eval_fraction", "0", "--output_dir", str(tmp_path / "out")]
+    assert prepare(args).cfg.data.packing == "none"
+    with pytest.raises(HftkError) as err:
+        prepare([*args, "--packing", "bfd"])
+    assert err.value.field == "data.packing" and "without the position ids" in err.value.problem

@@ -63,19 +63,19 @@ def test_several_preference_datasets_mix_as_supervised_data_does(tmp_path) -> No
     """Weights: interleaved by datasets' own interleave_datasets (seeded); no weights: concatenated. Columns
     beyond the pair (a score) are dropped so they concatenate; held-out rows are concatenated."""
     from hftk.data.dataset import split_rows
-    from hftk.data.preference import preference_rows
+    from hftk.data.dataset import split_and_mix
 
     a, b = _pairs(tmp_path / "a.jsonl", 40, "a", extra=True), _pairs(tmp_path / "b.jsonl", 20, "b")
     weighted = _sources(tmp_path, f"    - path: {a}\n      weight: 3\n    - path: {b}\n", "--eval_fraction", "0.1")
     assert [s.weight for s in weighted] == [3.0, 1.0]
-    train, held_out = preference_rows(weighted, seed=5)
+    train, held_out = split_and_mix(weighted, seed=5)
     parts = [split_rows(s.cfg, s.raw, 5) for s in weighted]
     expected = datasets.interleave_datasets([p[0] for p in parts], probabilities=[0.75, 0.25], seed=5)
     assert list(train["chosen"]) == list(expected["chosen"]) and train.column_names == ["prompt", "chosen", "rejected"]
     assert {c.split()[0] for c in train["chosen"]} == {"a", "b"}
     assert list(held_out["chosen"]) == list(parts[0][1]["chosen"]) + list(parts[1][1]["chosen"])
     plain = _sources(tmp_path, f"    - {a}\n    - {b}\n", "--eval_fraction", "0")
-    train, held_out = preference_rows(plain, seed=5)
+    train, held_out = split_and_mix(plain, seed=5)
     assert list(train["chosen"]) == [f"a yes {i}" for i in range(40)] + [f"b yes {i}" for i in range(20)] and held_out is None
 
 

@@ -107,3 +107,22 @@ def test_a_repeated_signal_inside_the_grace_period_is_the_same_preemption(monkey
         assert killed == [signal.SIGTERM] and not preemption.installed  # the default action, re-raised
     finally:
         preemption.uninstall()
+
+
+def test_a_rank_leaving_with_its_stop_code_ignores_the_launchers_sigterm():
+    """Once a rank has saved and leaves with 75, torchrun's SIGTERM to the ranks still running (sent when one
+    exits) must not kill it by signal while it tears down: ignored, and still ignored after the watch ends."""
+    import os
+    import signal
+
+    from hftk.engine.resilience import PreemptionSignal
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        watch = PreemptionSignal()
+        with watch.watching():
+            watch.leave()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGTERM)  # would end this test process were it not ignored
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -14,19 +14,29 @@ from tests.helpers import TINY_ARGS
 @pytest.mark.parametrize("model_type", MATRIX_FAMILIES)
 def test_default_targets_wrap_what_peft_all_linear_wraps(model_type):
     """The default targets (the spec's, by name) adapt exactly the modules PEFT's own ``all-linear`` picks: every
-    linear projection of every block, attention and MLP, the LM head left out."""
+    linear projection of every block, attention and MLP, the LM head left out; of a mixture of experts, the router
+    left out (where tokens go is not what an adapter should learn) and the fused expert weights added."""
     from peft import LoraConfig, get_peft_model
 
     from hftk.config.options import ModelConfig
     from hftk.models.lora import check_targets, lora_config, uses_conv1d
+    from hftk.models.spec import model_spec
     from tests.unit.models.test_layout import tiny
 
     cfg = ModelConfig(lora_r=4)
     model = tiny(model_type)
     check_targets(cfg, model.config)
+    moe = model_spec(model.config).moe
     ours = get_peft_model(tiny(model_type), lora_config(cfg, model.config, conv1d=uses_conv1d(model)))
     peft = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", fan_in_fan_out=uses_conv1d(model)))
     adapted = [{n for n, m in m_.named_modules() if hasattr(m, "lora_A")} for m_ in (ours, peft)]
+    if moe is not None:  # PEFT's all-linear takes fused experts in too (as target_parameters), and some routers
+        def sparse(names: set[str]) -> set[str]:
+            return {n for n in names if n.endswith("." + moe.router) or f".{moe.experts}" in n}
+
+        assert any(f".{moe.experts}" in n for n in adapted[0]), "the experts' fused weights are adapted"
+        assert not any(n.endswith("." + moe.router) for n in adapted[0]), "routers are not"
+        adapted = [names - sparse(names) for names in adapted]
     assert adapted[0] == adapted[1]
     per_block = sum(1 for n in adapted[0] if ".0." in n)
     assert per_block >= 4  # attention and MLP both adapted

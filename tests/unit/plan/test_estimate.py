@@ -307,6 +307,53 @@ def test_plan_command_counts_the_dpo_reference(capsys):
     assert all(p["reference"] == 0 for p in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["plans"])
 
 
+def test_grpo_counts_the_rollouts_beside_the_model_state():
+    """GRPO's generation: the KV cache of every rank's rollout rows at their longest, the last logits, and the
+    weights gathered for generation (the whole model under ZeRO-3, FSDP2's root and two blocks); the peak takes the
+    larger of training's activations and the generation, which do not overlap."""
+    shape = model_shape(builtin_model_config("builtin:llama-tiny"))
+    assert shape.kv_width == 2 * (64 // 4)  # grouped-query attention: 2 key/value heads of 16
+    base = dict(world_size=2, device_memory_bytes=GIB, seq_len=96, micro_batch=4, device="cpu")
+    sft = {x.strategy: x for x in plan(shape, PlanInputs(**base))}
+    grpo = {x.strategy: x for x in plan(shape, PlanInputs(**base, rollout_rows=16, rollout_tokens=96))}
+    cache = 2 * shape.layers * shape.kv_width * 96 * 16 * 4
+    gathered = {"zero3": 4 * shape.params, "zero3_offload": 4 * shape.params,
+                "fsdp": 4 * (shape.outside_blocks + 2 * shape.largest_block)}
+    for strategy in PLAN_STRATEGIES:
+        g = grpo[strategy]
+        assert g.generation == cache + 4 * shape.vocab * 16 + gathered.get(strategy, 0), strategy
+        assert g.device_total == sft[strategy].device_total - g.activations + max(g.activations, g.generation)
+
+
+def test_grpo_kv_cache_term_is_the_cache_transformers_holds():
+    """The cache bytes of the formula against the DynamicCache a real ``generate`` leaves (fp32, 3 rows of a 5-token
+    prompt plus 7 new tokens: the last token is never cached)."""
+    from transformers import AutoModelForCausalLM
+
+    from hftk.data.builtin import materialize_model
+    from hftk.plan.estimate import generation_bytes
+
+    model = AutoModelForCausalLM.from_pretrained(materialize_model("builtin:llama-tiny"), dtype=torch.float32)
+    ids = torch.randint(1, 100, (3, 5))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                         return_dict_in_generate=True, pad_token_id=0)
+    cache = out.past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    shape = model_shape(model.config)
+    inputs = PlanInputs(world_size=1, device_memory_bytes=GIB, rollout_rows=3, rollout_tokens=5 + 8 - 1)
+    assert generation_bytes("ddp", shape, inputs) - 4 * shape.vocab * 3 == held
+
+
+@pytest.mark.parametrize("argv, held", [(("--beta", "0.04"), True), ((), False), (("--beta", "0.04", "--lora_r", "8"),
+                                                                                 False)])
+def test_grpo_plans_prompt_plus_completion_and_holds_a_reference_only_with_beta(argv, held):
+    from hftk.plan.estimate import inputs_from_config
+
+    inputs = inputs_from_config(_cfg("--method", "grpo", "--block_size", "32", "--max_completion_length", "48",
+                                     "--gradient_accumulation_steps", "2", *argv), 2, GIB)
+    assert (inputs.seq_len, inputs.rollout_tokens, inputs.rollout_rows, inputs.reference) == (80, 80, 2 * 2, held)
+
+
 @pytest.mark.parametrize("family,refused", [("qwen3", ()), ("gemma3_text", ("cp2", "sp2")), ("phi3", ()),
                                             ("olmo2", ()), ("smollm3", ())])
 def test_hftk_plan_gives_every_family_every_row_and_a_reason_where_it_cannot_run(family, refused, tmp_path, capsys):
@@ -332,6 +379,21 @@ def test_hftk_plan_gives_every_family_every_row_and_a_reason_where_it_cannot_run
         else:
             assert "refused" not in line and line.rstrip().endswith(("yes", "no")), line
     assert any(line.startswith("pick: ") for line in lines)
+
+
+def test_plan_command_counts_grpo_rollouts_and_refuses_a_completion_past_the_context(capsys):
+    from hftk.core.errors import HftkError
+    from hftk.plan.estimate import plan_command
+
+    base = ["--model", "builtin:gpt2-90m", "--world_size", "2", "--device_memory", "8", "--method", "grpo",
+            "--seq_len", "128", "--micro_batch", "4", "--gradient_accumulation_steps", "2"]
+    assert plan_command([*base, "--max_completion_length", "256", "--beta", "0.04", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["inputs"]["rollout_rows"], out["inputs"]["rollout_tokens"], out["inputs"]["reference"]) == (8, 384, True)
+    assert all(p["generation"] > 0 and p["reference"] > 0 for p in out["plans"] if p["refused"] is None)
+    with pytest.raises(HftkError, match="1152 tokens \\(with --max_completion_length\\) exceed the model's context "
+                                        "length 1024"):
+        plan_command([*base, "--seq_len", "640", "--max_completion_length", "512"])
 
 
 def test_hftk_plan_counts_a_mixture_of_experts_total_and_active(tmp_path, capsys):

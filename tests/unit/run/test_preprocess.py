@@ -21,7 +21,7 @@ def test_dpo_pairs_preprocessed_once_equal_trls_tokenisation_and_are_refused_by_
     from trl import DPOConfig, DPOTrainer
 
     from hftk.data.builtin import materialize_model
-    from hftk.data.preference import preference_rows
+    from hftk.data.dataset import split_and_mix
 
     data = _pairs(tmp_path / "prefs.jsonl", 10)
     args = ["--method", "dpo", "--dataset", data, "--eval_fraction", "0.2", "--output_dir", str(tmp_path / "out")]
@@ -34,7 +34,7 @@ def test_dpo_pairs_preprocessed_once_equal_trls_tokenisation_and_are_refused_by_
     assert run.sources == [] and run.tokenized.eval is not None
     # what TRL's own DPOTrainer makes of the same rows, split as a run splits them (the run's seed)
     raw = prepare(args)
-    train, _ = preference_rows(raw.sources, int(raw.cfg.args.seed))
+    train, _ = split_and_mix(raw.sources, int(raw.cfg.args.seed))
     model = materialize_model("builtin:gpt2-tiny")
     trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model),
                          args=DPOConfig(output_dir=str(tmp_path / "trl"), max_length=raw.cfg.data.block_size,

@@ -63,6 +63,11 @@ CONTEXT: dict[str, tuple[list[str], int]] = {
     "lora_alpha": (["--lora_r", "4"], 1),
     "lora_dropout": (["--lora_r", "4"], 1),
 }
+# GRPO's options on a GRPO run (prompts, a reward file), less the option under test (its YAML case must decide).
+GRPO = {"method": "grpo", "dataset": "{tmp}/prompts.jsonl", "reward_funcs": "{tmp}/reward.py:length",
+        "num_generations": "4", "max_completion_length": "16", "eval_fraction": "0"}
+CONTEXT.update({name: ([arg for key, value in GRPO.items() if key != name for arg in (f"--{key}", value)], 1)
+                for name in ("num_generations", "max_completion_length", "epsilon", "epsilon_high", "num_iterations")})
 SKIP_NUMERIC = {"device_memory_gb"}  # read by `auto` and `hftk plan` only; any positive value is a budget
 
 TRAINING_NUMERIC = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -90,6 +95,8 @@ ACCEPTED = {
     ("logging_steps", "huge"), ("eval_steps", "huge"), ("save_steps", "huge"), ("ddp_timeout", "huge"),
     ("per_device_train_batch_size", "huge"), ("per_device_eval_batch_size", "huge"),  # one batch of everything
     ("gradient_accumulation_steps", "huge"),
+    ("epsilon", "huge"), ("epsilon_high", "huge"),  # GRPO: a clip range wider than any ratio clips nothing
+    ("num_iterations", "huge"),  # GRPO: every batch of completions reused that often (as accumulation, a choice)
 }
 
 
@@ -179,6 +186,36 @@ def contradiction_cases() -> list[Case]:
         Case("cp-with-messages", ["--strategy", "cp", "--cp_size", "2", "--model_dropout", "0", "--dataset", "{tmp}/chat.jsonl",
                                   "--chat_template", "chatml"], names="data_format", world=2),
         Case("fsdp-option-under-ddp", ["--strategy", "ddp", "--fsdp_hybrid", "true"], names="fsdp_hybrid", world=2),
+        *grpo_cases(),
+    ]
+
+
+def grpo_cases() -> list[Case]:
+    """GRPO's combinations (the options themselves: the numeric and choice cases, with GRPO's context)."""
+    grpo = [arg for key, value in GRPO.items() for arg in (f"--{key}", value)]
+    return [
+        Case("grpo-without-rewards", ["--method", "grpo", "--dataset", "{tmp}/prompts.jsonl"], names="reward_funcs"),
+        Case("grpo-group-does-not-divide-the-batch", [*grpo, "--num_generations", "3"], names="num_generations"),
+        Case("grpo-group-does-not-divide-the-eval-batch", [*grpo, "--eval_fraction", "0.2",
+                                                           "--per_device_eval_batch_size", "3"],
+             names="per_device_eval_batch_size"),
+        Case("grpo-option-under-sft", ["--num_generations", "4"], names="num_generations"),
+        Case("grpo-dpo-loss", [*grpo, "--loss_type", "sigmoid"], names="loss_type"),
+        Case("dpo-grpo-loss", ["--method", "dpo", "--loss_type", "dapo"], names="loss_type"),
+        Case("grpo-negative-beta", [*grpo, "--beta", "-0.1"], names="beta"),
+        Case("grpo-beta-zero", [*grpo, "--beta", "0"], expect="accept"),  # TRL's default: no reference model
+        Case("grpo-completion-past-the-context", [*grpo, "--max_completion_length", "200"],
+             names="max_completion_length"),
+        Case("grpo-truncate", [*grpo, "--truncation", "truncate"], names="truncation"),
+        Case("grpo-preprocessed", [*grpo, "--tokenized_path", "{tmp}/empty_dir"], names="tokenized_path"),
+        Case("grpo-vllm-without-gpu", [*grpo, "--use_vllm"], names="use_vllm"),
+        Case("grpo-on-text", [*grpo, "--dataset", "{tmp}/ok.jsonl"], names="dataset"),
+        Case("grpo-reward-needs-a-missing-column", [*grpo, "--reward_funcs", "{tmp}/reward.py:needs_answer"],
+             names="reward_funcs"),
+        Case("grpo-reward-file-missing", [*grpo, "--reward_funcs", "{tmp}/nowhere.py:f"], names="reward_funcs"),
+        Case("grpo-weights-per-function", [*grpo, "--reward_weights", "1", "2"], names="reward_weights"),
+        Case("grpo-under-pipeline", [*grpo, "--strategy", "pipeline", "--pp_size", "2"], names="method", world=2),
+        Case("grpo-two-ranks", [*grpo, "--per_device_train_batch_size", "2"], expect="accept", world=2),
     ]
 
 
@@ -224,6 +261,9 @@ def workdir(tmp_path_factory):
                                           for i in range(200)))
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     (tmp / "chat.jsonl").write_text((json.dumps(chat) + "\n") * 50)
+    (tmp / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}:"}) + "\n" for i in range(50)))
+    (tmp / "reward.py").write_text("def length(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
+                                   "def needs_answer(completions, answer, **kwargs):\n    return [0.0] * len(completions)\n")
     out = tmp / "out"
     out.mkdir()
     (out / "notes.txt").write_text("the user's own file\n")
@@ -297,6 +337,20 @@ def test_bad_input(case, workdir, capsys, monkeypatch):
     assert code == 2, f"{case.id} was accepted: {argv}"
     assert len(lines) == 1 and lines[0].startswith("hftk: error: "), err
     assert case.names in lines[0] and "Fix:" in lines[0], lines[0]
+
+def test_a_global_batch_num_generations_does_not_divide_names_the_sizes_that_work(tmp_path, monkeypatch):
+    from hftk.run.validate import check_grpo
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config(["--method", "grpo", "--reward_funcs", "r.py:f", "--num_generations", "4",
+                       "--per_device_train_batch_size", "3", "--eval_fraction", "0", "--output_dir", str(tmp_path)])
+    with pytest.raises(HftkError) as info:
+        check_grpo(cfg)
+    assert info.value.one_line() == (
+        "training.num_generations: 4 does not divide the global batch of 6 (per_device_train_batch_size 3 x "
+        "gradient_accumulation_steps 1 x 2 ranks): every prompt needs its whole group. Fix: use "
+        "--per_device_train_batch_size 2 or 4 (a global batch of 4 or 8), or --num_generations 2 or 3 or 6.")
+
 
 def sealed_by(folder, world: int, global_batch: int | None):
     """A sealed checkpoint folder as ``world`` ranks with ``global_batch`` would have left it."""

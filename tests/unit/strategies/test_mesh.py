@@ -11,7 +11,7 @@ from hftk.config.options import DataConfig
 from hftk.data.chat import IGNORE_INDEX
 from hftk.data.dataset import collator, rows
 from tests.helpers import cpu_only_cases
-from tests.unit.data.test_dataset import FAMILIES, assert_examples_apart, dataset, examples
+from tests.unit.data.test_dataset import ATTENTION, FAMILIES, assert_examples_apart, dataset, examples
 
 LLAMA = ["--model_name_or_path", "builtin:llama-tiny"]
 GPT2 = ["--model_name_or_path", "builtin:gpt2-tiny"]
@@ -93,7 +93,8 @@ def test_bfd_example_through_the_mesh_step_batch_equals_the_example_alone(family
 
     from hftk.strategies.mesh import loss_sum, model_batch, token_count
 
-    model = AutoModelForCausalLM.from_pretrained(family_models[family]).eval()
+    model = AutoModelForCausalLM.from_pretrained(family_models[family],
+                                                 attn_implementation=ATTENTION.get(family, "sdpa")).eval()
     items = examples(model.config.vocab_size)
     rows_ = rows(dataset(items), "bfd", 32, "prompt_completion")
     collate = collator(DataConfig(packing="bfd", block_size=32), pad_id=0, fixed_length=32)
