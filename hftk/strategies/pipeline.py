@@ -431,6 +431,8 @@ class TokenLoss:
         self.vocab_size = vocab_size
         self.divisor: torch.Tensor | float = 1.0
         self.training = True
+        self.balances: list[torch.Tensor] = []  # this step's balancing losses (the schedule's first step also
+        # runs the loss on the placeholder tensors it infers shapes with: only the last micro-batches' are real)
 
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
                  ) -> torch.Tensor:
@@ -439,7 +441,7 @@ class TokenLoss:
                                         num_items_in_batch=self.divisor)
         if balance is None or not self.training:
             return loss
-        moe.record_balance(self.model, float(balance.detach()))
+        self.balances.append(balance.detach())
         return loss + self.model.router_aux_loss_coef * balance
 
 
@@ -526,6 +528,9 @@ def forward_backward(rt: PipelineRuntime, batch: dict[str, torch.Tensor], diviso
     args, kwargs = _schedule_inputs(rt, batch)
     with _autocast(rt):
         rt.schedule.step(*args, return_outputs=False, **kwargs)
+    for balance in rt.loss.balances[-rt.microbatches:] if rt.loss.balances else []:
+        moe.record_balance(rt.loss.model, float(balance))
+    rt.loss.balances.clear()
     losses = kwargs.get("losses")
     return torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=rt.topo.device)
 
