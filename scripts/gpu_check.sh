@@ -11,7 +11,9 @@
 # process (scripts/gpu_check_layouts.py: torch's fake process group; pp2 as two stages on one rank).
 # Throughput: a 1.1B Llama-shaped model (scripts/gpu_check_model.py, random weights) trained in
 # bf16 at block 2048 with SDPA and fused AdamW, tokens/s and MFU against the GPU's dense bf16 peak
-# (goal 45%). Qwen3- and Gemma 3-shaped models (scripts/gpu_check_model.py --family) train in bf16 too.
+# (goal 45%). Qwen3- and Gemma 3-shaped models (scripts/gpu_check_model.py --family) train in bf16 too, and
+# where 2 GPUs are lent the Qwen3-MoE-shaped one also under expert parallel (ep 2: its tokens reach their experts
+# by NCCL all-to-all), gated like fsdp_bf16.
 # On a machine without a GPU it says so and exits 1.
 #
 # Python: $PYTHON, else .venv/bin/python, else python3. Packages missing there can be carried as
@@ -95,9 +97,9 @@ if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ]; then
   train zero3_offload_bf16 --strategy zero3_offload --bf16
   NPROC=1
   RUNS+=(fsdp_bf16 zero3_bf16 zero3_offload_bf16)
-  SHARDED="fsdp / zero3 / zero3_offload: 2 ranks (rows above)"
+  SHARDED="fsdp / zero3 / zero3_offload / ep: 2 ranks (rows above)"
 else
-  SHARDED="fsdp / zero3 / zero3_offload: not run (one GPU; sharding needs 2 ranks, one GPU each)"
+  SHARDED="fsdp / zero3 / zero3_offload / ep: not run (one GPU; sharding needs 2 ranks, one GPU each)"
 fi
 
 # The multi-rank layouts on this one GPU, in one process (fake process group; see the script's docstring).
@@ -122,6 +124,10 @@ for family in qwen3 gemma3_text qwen3_moe; do
   if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ]; then
     NPROC=2 train "${family}_fsdp_bf16" --model_name_or_path "$WORK/$family" --strategy fsdp --bf16 --block_size 1024
     RUNS+=("${family}_fsdp_bf16")
+    if [ "$family" = qwen3_moe ]; then  # expert parallel: 4 of its 8 experts per rank, NCCL all-to-all
+      NPROC=2 train qwen3_moe_ep_bf16 --model_name_or_path "$WORK/$family" --strategy ep --bf16 --block_size 1024
+      RUNS+=(qwen3_moe_ep_bf16)
+    fi
   fi
 done
 

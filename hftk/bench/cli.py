@@ -1,4 +1,4 @@
-"""``hftk bench {scaling,batch,overhead,memory,comm,pipeline,data,startup,all} [options] [-- hftk train options]``.
+"""``hftk bench {scaling,batch,overhead,memory,comm,pipeline,data,startup,moe,all} [options] [-- hftk train options]``.
 
 Each sub-bench's options come from its ``run_<name>_bench`` signature (name, default, type), so a
 bench module needs no CLI code of its own. ``all`` runs every bench into one report folder with
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from hftk.core.errors import HftkError
 
-BENCHES = ("scaling", "memory", "comm", "pipeline", "batch", "overhead", "data", "startup")
+BENCHES = ("scaling", "memory", "comm", "pipeline", "batch", "overhead", "data", "startup", "moe")
 SHARED = ("model", "block_size", "nproc", "timeout")
 # `hftk bench all` on its defaults must finish in < 15 min on the 2-core CPU machine; these
 # override single-bench defaults where the full versions would not fit.
@@ -29,6 +29,7 @@ ALL_DEFAULTS: dict[str, dict[str, Any]] = {
     "overhead": {"repeats": 3, "steps": 12},
     "batch": {"max_micro_batch": 32, "global_batch": 32},
     "data": {"examples": 300},
+    "moe": {"implementations": ["eager"]},  # batched_mm's row (the slowest by far) only in `hftk bench moe`
 }
 # Help of the options several benches share; a bench's OPTION_HELP adds its own (and may reword these).
 COMMON_HELP = {"model": "model to train (hftk train --model_name_or_path)", "block_size": "tokens per sequence",

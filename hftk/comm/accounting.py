@@ -38,6 +38,7 @@ def wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
         "broadcast": (n - 1) / n,
         "all_gather": float(n - 1),
         "gather": (n - 1) / n,
+        "all_to_all": 1.0,  # the payload given is what this rank addresses to the others (splits are uneven)
     }
     return factors[op] * payload_bytes
 

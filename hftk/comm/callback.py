@@ -52,3 +52,21 @@ class CompressionCallback(TrainerCallback):
         dist.barrier()
         save_state(self.state, checkpoint, dist.get_rank())
         dist.barrier()  # the checkpoint is complete for every rank before anyone moves on
+
+
+class StepCommCallback(TrainerCallback):
+    """A strategy's own collectives (expert parallel's all-to-alls), counted by a
+    :class:`hftk.comm.accounting.CommStats`: bytes this rank sends and collectives per optimizer step, logged as
+    ``{prefix}_bytes_per_step`` and ``{prefix}_per_step``."""
+
+    def __init__(self, stats: Any, prefix: str) -> None:
+        self.stats = stats
+        self.prefix = prefix
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.stats.end_step()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if logs is not None and "loss" in logs and (window := self.stats.pop_window()):
+            logs[f"{self.prefix}_bytes_per_step"] = window["comm_bytes_per_step"]
+            logs[f"{self.prefix}_per_step"] = window["comm_collectives_per_step"]

@@ -170,7 +170,8 @@ class StrategyConfig:
     strategy: str = _opt(
         "ddp", "Parallelism: ddp, fsdp (FSDP2), zero1, zero2, zero3, zero3_offload (DeepSpeed), pipeline, tp (tensor "
         "parallel x FSDP2 on one mesh), cp (ring-attention context parallel on that mesh), sp (DeepSpeed Ulysses "
-        "sequence parallel), or auto (pick from the per-rank memory plan).", choices=list(STRATEGIES))
+        "sequence parallel), ep (expert parallel x FSDP2, mixtures of experts), or auto (pick from the per-rank "
+        "memory plan).", choices=list(STRATEGIES))
     device_memory_gb: float | None = _opt(
         None, "Memory per rank the auto strategy and the plan may use (default: the device's, or RAM / ranks on CPU).")
     fsdp_cpu_offload: bool = _opt(False, "FSDP2: keep sharded parameters and optimizer state in CPU memory.")
@@ -188,6 +189,9 @@ class StrategyConfig:
                                   "dp_shard x cp x tp = world size.")
     sp_size: int = _opt(1, "Sequence-parallel degree (strategy sp, DeepSpeed Ulysses); the rest of the world is data parallel.")
     cp_size: int = _opt(1, "Context-parallel degree (strategy cp): every sequence split over cp ranks, torch ring attention.")
+    ep_size: int = _opt(-1, "Expert-parallel degree (strategy ep): each rank of a group of ep_size holds 1/ep_size of "
+                        "every MoE layer's experts and tokens travel to them by all-to-all; it must divide the world "
+                        "size and the number of experts (-1: the world size).")
     grad_compression: str = _opt("none", "Gradient compression hook for DDP.", choices=list(COMPRESSIONS))
     powersgd_rank: int = _opt(4, "PowerSGD: rank of the low-rank approximation.")
     powersgd_warmup_steps: int = _opt(10, "PowerSGD: uncompressed steps before compression starts.")

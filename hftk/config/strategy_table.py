@@ -34,6 +34,7 @@ class StrategySpec:
     zero_stage: int | None = None  # DeepSpeed ZeRO stage
     offload: bool = False  # parameters and optimizer state in CPU memory
     reshards_on_resume: bool = False  # resumes at another world size: whole, DCP-resharded or ZeRO -> universal
+    experts_only: bool = False  # trains only mixtures of experts (a dense model is refused; its plan row is MoE-only)
 
 
 _DS = "hftk.strategies.deepspeed"
@@ -44,17 +45,17 @@ STRATEGIES: dict[str, StrategySpec] = {
                         quantized_base=True, grad_compression=True, auto_rank=0, reshards_on_resume=True),
     "fsdp": StrategySpec("hftk.strategies.fsdp", "trainer", "FSDP",
                          "FSDP2: hftk shards every decoder block with fully_shard (its own options: --fsdp_*).",
-                         quantized_base=True, auto_rank=3, reshards_on_resume=True),
+                         quantized_base=True, auto_rank=4, reshards_on_resume=True),
     "zero1": StrategySpec(_DS, "trainer", "DEEPSPEED", "DeepSpeed ZeRO-1: optimizer state sharded.",
                           auto_rank=1, zero_stage=1, reshards_on_resume=True),
     "zero2": StrategySpec(_DS, "trainer", "DEEPSPEED", "DeepSpeed ZeRO-2: optimizer state and gradients sharded.",
                           auto_rank=2, zero_stage=2, reshards_on_resume=True),
     "zero3": StrategySpec(_DS, "trainer", "DEEPSPEED",
                           "DeepSpeed ZeRO-3: parameters, gradients and optimizer state sharded.",
-                          auto_rank=4, zero_stage=3),
+                          auto_rank=5, zero_stage=3),
     "zero3_offload": StrategySpec(_DS, "trainer", "DEEPSPEED",
                                   "DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to CPU memory.",
-                                  auto_rank=5, zero_stage=3, offload=True),
+                                  auto_rank=6, zero_stage=3, offload=True),
     "tp": StrategySpec("hftk.strategies.tensor", "loop", "MULTI_GPU",
                        "Tensor parallel x FSDP2: add --strategy tp --tp_size T [--dp_shard_size -1] (this launch "
                        "cannot say it).", lora=False, fixed_shape_batches=True, options=_MESH,
@@ -66,11 +67,16 @@ STRATEGIES: dict[str, StrategySpec] = {
     "sp": StrategySpec("hftk.strategies.sequence", "loop", "MULTI_GPU",
                        "Ulysses sequence parallel: add --strategy sp --sp_size S (this launch cannot say it itself).",
                        lora=False, packing=("concat", "none"), options=("sp_size",), reshards_on_resume=True),
+    # before fsdp in auto's order: the same sharded state, but each rank gathers only its own experts
+    "ep": StrategySpec("hftk.strategies.expert", "loop", "MULTI_GPU",
+                       "Expert parallel x FSDP2 (mixtures of experts): add --strategy ep [--ep_size N] (this launch "
+                       "cannot say it).", fixed_shape_batches=True, auto_rank=3, options=("ep_size",),
+                       reshards_on_resume=True, experts_only=True),
     "pipeline": StrategySpec("hftk.strategies.pipeline", "loop", "MULTI_GPU",
                              "Pipeline stages: add --strategy pipeline --pp_size N (this launch cannot say it itself).",
                              fixed_shape_batches=True, options=("pp_size",)),
 }
-# Least sharding first: ``auto`` takes the first plan row that fits.
+# Least sharding first: ``auto`` takes the first plan row that fits (a dense model's plan leaves experts_only rows out).
 AUTO_ORDER = tuple(sorted((n for n, s in STRATEGIES.items() if s.auto_rank is not None),
                           key=lambda n: STRATEGIES[n].auto_rank))
 DEEPSPEED = tuple(n for n, s in STRATEGIES.items() if s.zero_stage is not None)

@@ -54,6 +54,8 @@ _ZERO3 = _quant_refusal("ZeRO-3", "transformers loads a quantized base without Z
 QUANT_REFUSED = {
     "zero1": _ZERO12, "zero2": _ZERO12, "zero3": _ZERO3, "zero3_offload": _ZERO3,
     "pipeline": _quant_refusal("pipeline", "stages holding bitsandbytes layers are not verified by hftk's tests"),
+    "ep": _quant_refusal("expert parallel", "bitsandbytes quantizes no fused expert weights (nn.Linear only), and "
+                         "its 4-bit layers under ep's FSDP2 layout are not verified by hftk's tests"),
     **LORA_REFUSED,  # a quantized base trains adapters only, and LoRA is refused first there
 }
 assert set(QUANT_REFUSED) | set(QUANT_STRATEGIES) == set(STRATEGIES), "every strategy decides on a quantized base"

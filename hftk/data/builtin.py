@@ -54,6 +54,17 @@ def _neox() -> Any:
     )
 
 
+def _qwen3_moe() -> Any:
+    """A mixture of experts (Qwen3-MoE's layout: 8 experts, top-2, every layer sparse): ``hftk bench moe``'s model."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=256, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
+    )
+
+
 MODELS: dict[str, Callable[[], Any]] = {
     "gpt2-tiny": _gpt2(n_layer=2, n_embd=64, n_head=4, n_positions=256),
     "gpt2-tiny4": _gpt2(n_layer=4, n_embd=64, n_head=4, n_positions=256),  # enough blocks for 2 ranks x 2 virtual stages
@@ -61,6 +72,7 @@ MODELS: dict[str, Callable[[], Any]] = {
     "gpt2-90m": _gpt2(n_layer=12, n_embd=768, n_head=12, n_positions=1024),
     "llama-tiny": _llama,
     "neox-tiny": _neox,
+    "qwen3-moe-small": _qwen3_moe,
 }
 
 

@@ -1,4 +1,4 @@
-"""The one custom training loop: for what the HF Trainer cannot drive (pipeline stages; tp / cp / sp meshes).
+"""The one custom training loop: for what the HF Trainer cannot drive (pipeline stages; tp / cp / sp / ep meshes).
 
 A strategy whose table ``engine`` is ``loop`` supplies its *step* (``build_step(model, cfg, args)``):
 how one optimizer step's batches go forward and backward and their gradients are reduced, the
@@ -25,7 +25,8 @@ rank monitor may hook, or None), ``config``, ``describe`` (logged once), ``repli
 whose weights must be equal share one); methods ``param_groups(weight_decay)``,
 ``forward_backward(batches) -> global mean loss``, ``clip_gradients(max_norm) -> norm``,
 ``eval_sums(batch) -> [loss sum, count]`` summed over the world, ``save(folder, optimizer)``,
-``load(folder, optimizer)``, ``save_final(folder, tokenizer)`` (into the final save's staged folder).
+``load(folder, optimizer)``, ``save_final(folder, tokenizer)`` (into the final save's staged folder); optionally
+``callbacks`` (Trainer callbacks of its own, ahead of the metrics callback: expert parallel's all-to-all counters).
 """
 
 from __future__ import annotations
@@ -283,9 +284,9 @@ def _start_run(prepared: PreparedRun, args: Any, step: Any, tokenizer: Any, opti
                                  peak_flops=peak * dist.get_world_size() if peak else None)
     lifetime_peak = peak_memory_bytes(step.device)  # imports, loading, sharding (the monitor resets the peak)
     monitor = RankMonitor(step.device, cfg.tracking.imbalance_warn_threshold, cfg.tracking.comm_profile_steps)
-    callbacks = [RankMonitorCallback(monitor, metrics_path), metrics_cb, DefaultFlowCallback,
-                 *get_reporting_integration_callbacks(args.report_to)]
-    if cfg.tracking.check_sync_steps > 0:  # tp / cp / sp refuse it before launch: their shards have no replicas
+    callbacks = [*getattr(step, "callbacks", ()), RankMonitorCallback(monitor, metrics_path), metrics_cb,
+                 DefaultFlowCallback, *get_reporting_integration_callbacks(args.report_to)]
+    if cfg.tracking.check_sync_steps > 0:  # tp / cp / sp / ep refuse it before launch: their shards have no replicas
         callbacks.append(SyncCheckCallback(cfg.tracking.check_sync_steps, metrics_path, step.replica_key,
                                            step.module))
     handler = CallbackHandler(callbacks, step.monitored, tokenizer, optimizer, scheduler)
@@ -601,12 +602,16 @@ def _save_checkpoint(run: Run) -> None:
 
 
 def _write_adapter(step: Any, adapter: tuple[Any, dict[str, tuple[int, ...]]] | None, folder: Path) -> None:
-    """Collective under LoRA: every shard's adapter weights (replica 0's) gathered; rank 0 writes the adapter."""
+    """Collective under LoRA: every shard's adapter weights (replica 0's, or the step's own gather) gathered; rank 0
+    writes the adapter."""
     if adapter is None:
         return
     config, shapes = adapter
-    mine = {n: p.detach() for n, p in step.params if n in shapes} if step.dp_rank == 0 else {}
-    tensors = lora.gather_pieces(mine)
+    if hasattr(step, "adapter_tensors"):  # sharded adapters (expert parallel): gathered by the step, every rank
+        tensors = step.adapter_tensors(set(shapes))
+    else:
+        mine = {n: p.detach() for n, p in step.params if n in shapes} if step.dp_rank == 0 else {}
+        tensors = lora.gather_pieces(mine)
     if dist.get_rank() == 0:
         lora.write_adapter(folder, config, tensors, shapes)
 

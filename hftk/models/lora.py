@@ -314,6 +314,26 @@ def gather_pieces(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for piece in gather_objects({k: v.to("cpu") for k, v in local.items()}) for k, v in piece.items()}
 
 
+def peft_model_from(config: Any, adapter: Any, state: dict[str, torch.Tensor]) -> Any:
+    """A one-process copy of a run's LoRA model: the base built from ``config`` with PEFT's ``adapter`` on it,
+    holding ``state`` (gathered shards or stages, under the PeftModel's names; a tied head may be left out)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = get_peft_model(AutoModelForCausalLM.from_config(config), adapter)
+    _, unexpected = model.load_state_dict(state, strict=False)
+    model.get_base_model().tie_weights()  # a head left out is the embedding's tensor again
+    loaded = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in state}
+    missing = [name for name, p in model.named_parameters(remove_duplicate=False) if id(p) not in loaded]
+    if unexpected or missing:
+        raise HftkError("model.lora_r", f"the gathered weights do not match the model with its adapter: missing "
+                        f"{missing[:3]}, unexpected {unexpected[:3]}.", "report this with the strategy used: the "
+                        "shards or stages should hold every weight.")
+    return model
+
+
 def saved_name(name: str) -> str:
     """PEFT's file key for a model parameter name: ``...lora_A.default.weight`` -> ``...lora_A.weight``,
     ``...lora_magnitude_vector.default.weight`` -> ``...lora_magnitude_vector`` (get_peft_model_state_dict's keys)."""

@@ -56,9 +56,9 @@ TP_PLAN_OVERRIDES: dict[str, dict[str, str]] = {
         "transformer.h.*.mlp.c_proj": "rowwise",
     },
 }
-# The strategies that take the decoder apart (stages, shards of its layers, its attention); the Trainer's
-# strategies (ddp, fsdp, ZeRO) train any causal LM transformers builds.
-STRUCTURE_STRATEGIES = ("pipeline", "tp", "cp", "sp")
+# The strategies that take the decoder apart (stages, shards of its layers, its attention, its experts); the
+# Trainer's strategies (ddp, fsdp, ZeRO) train any causal LM transformers builds.
+STRUCTURE_STRATEGIES = ("pipeline", "tp", "cp", "sp", "ep")
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ class MoESpec:
     top_k: int
     layers: tuple[int, ...]  # the blocks that have experts (dense layers first, or MoE every k-th layer)
     aux_coef: float | None  # router_aux_loss_coef when the model adds the balancing loss itself, else None
+    ep_problem: str | None = None  # why expert parallel cannot split these experts over ranks (None: it can)
 
     @property
     def lora_target_parameters(self) -> tuple[str, ...]:
@@ -412,7 +413,22 @@ def _moe(model: nn.Module, blocks: nn.ModuleList, text: Any) -> MoESpec | None:
         top_k=int(getattr(text, "num_experts_per_tok", 0) or getattr(text, "top_k", 0) or 1),
         layers=tuple(i for i, *_ in found),
         aux_coef=getattr(model, "router_aux_loss_coef", None),
+        ep_problem=_ep_problem(experts, fused, num),
     )
+
+
+def _ep_problem(experts: nn.Module, fused: bool, num: int) -> str | None:
+    """Why expert parallel cannot split ``experts`` by their first dimension and hand each rank's experts the tokens
+    routed to them, or None: it needs transformers' fused experts module (every weight ``[E, ...]``, a forward
+    ``(hidden_states, top_k_index, top_k_weights)`` whose experts_implementation transformers dispatches)."""
+    if not fused:
+        return "its experts are one module each, not transformers' fused experts module"
+    if not hasattr(experts, "_is_expert_parallel"):  # set by transformers' use_experts_implementation
+        return f"its experts module ({type(experts).__name__}) does not run through transformers' experts interface"
+    odd = [n for n, p in experts.named_parameters() if p.ndim < 2 or p.shape[0] != num]
+    if odd:
+        return f"its experts module holds weights not split by expert ({', '.join(odd)})"
+    return None
 
 
 def _tp_plan(config: Any, backbone: str) -> tuple[dict[str, str], str | None]:
@@ -444,6 +460,11 @@ def strategy_refusal(spec: ModelSpec, strategy: str, block_size: int | None = No
     if strategy == "pipeline" and spec.outside:
         return _refuse(spec, strategy, f"it has weights outside the decoder and LM head ({', '.join(spec.outside)}), "
                        "which no pipeline stage would know where to run")
+    if strategy == "ep" and spec.moe is None:
+        return _refuse(spec, strategy, "it has no experts (expert parallel splits a mixture of experts' experts "
+                       "over ranks)")
+    if strategy == "ep" and spec.moe.ep_problem:
+        return _refuse(spec, strategy, f"expert parallel cannot split its experts: {spec.moe.ep_problem}")
     if strategy == "tp" and spec.tp_problem:
         return _refuse(spec, strategy, f"it has no tensor-parallel plan hftk can apply: {spec.tp_problem}")
     if strategy in ("cp", "sp") and spec.moe is not None and spec.moe.aux_coef is not None:

@@ -9,7 +9,7 @@ strategy       parameters  gradients                           optimizer state
 =============  ==========  ==================================  =================================
 ddp            w P         w T                                 2 w T (two moments)
 zero1, zero2   d P         4 T/N (fp32 copy of the partition)  12 T/N (fp32 master + moments)
-fsdp           w P/N       w T/N                               2 w T/N
+fsdp, ep       w P/N       w T/N                               2 w T/N
 zero3          d P/N       d T/N + bucket + 4 sub-group        8 T/N (+ 4 T/N master under bf16)
 zero3_offload  d P/N       d T/N + bucket + 4 T/N              12 T/N, in host memory on a GPU
 =============  ==========  ==================================  =================================
@@ -22,6 +22,12 @@ parameters), activations (what the model's own forward saves for backward, trace
 device for the attention implementation the run uses: :mod:`hftk.models.activations`) and the runtime's
 own footprint (torch and the process group; the CUDA context on a GPU), measured on this project's
 machines. ``auto`` takes the least sharding that fits the per-rank budget with :data:`HEADROOM` to spare.
+
+Expert parallel (``ep``, mixtures of experts only: a dense model's plan has no such row) holds what fsdp holds --
+each rank ``E / ep`` experts of every MoE layer, FSDP2-sharded over the ``N / ep`` ranks holding the same ones, and
+``1/N`` of the dense parts -- but gathers for a block only its dense part and its own experts (``1/ep`` of them),
+not every expert as fsdp does; its activations add the routed token rows each MoE layer sends, receives and keeps
+for backward. ``auto`` tries it before fsdp.
 
 A quantized base (QLoRA; ddp and fsdp only) replaces ``w P`` by what bitsandbytes stores: the
 weights it quantizes (every linear layer but the LM head) at 0.5 byte (4-bit) or 1 byte (8-bit)
@@ -50,7 +56,9 @@ from hftk.models.activations import profile, trace_key
 from hftk.plan.types import (DTYPE_BYTES, GIB, HEADROOM, MAX_LIVE_PARAMETERS, MIB, RUNTIME_BYTES, SUB_GROUP_SIZE,
                              ModelShape, PlanInputs, StrategyPlan)
 
-PLAN_STRATEGIES = strategy_table.AUTO_ORDER  # the analytic rows, least sharding first: ``auto`` takes the first that fits
+# the analytic rows of a dense model, least sharding first: ``auto`` takes the first that fits; a mixture of
+# experts' plan adds the experts_only rows (plan_strategies)
+PLAN_STRATEGIES = tuple(n for n in strategy_table.AUTO_ORDER if not strategy_table.STRATEGIES[n].experts_only)
 DEEPSPEED_RUNTIME_BYTES = {"cpu": 50 * MIB, "gpu": 0}
 QUANT_BLOCK = 64  # bitsandbytes' 4-bit block size (one absmax per block)
 DOUBLE_QUANT_BLOCK = 256  # absmaxes per second-level block under double quantization
@@ -80,6 +88,8 @@ def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | N
     params = list(model.parameters())
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     shares = active_shares(model)  # expert weights: the share of tokens each serves
+    largest = max(blocks, key=lambda b: sum(p.numel() for p in b.parameters()), default=None)
+    moe = spec_of(model).moe
     quantizable, rows = _quantizable(model)
     optim_8bit = _optim_8bit(model)
     return ModelShape(
@@ -98,7 +108,16 @@ def model_shape(model_config: Any, lora_r: int = 0, lora_target_modules: str | N
         optim_8bit_tensors=len(optim_8bit), kv_width=kv_width(model_config),
         experts=sum(p.numel() for p in params if id(p) in shares),
         active=int(sum(p.numel() * shares.get(id(p), 1.0) for p in params)) if shares else 0,
+        largest_block_experts=sum(p.numel() for p in largest.parameters() if id(p) in shares) if largest else 0,
+        moe_layers=len(moe.layers) if moe else 0, top_k=moe.top_k if moe else 0,
+        num_experts=moe.num_experts if moe else 0,
     )
+
+
+def plan_strategies(shape: ModelShape) -> tuple[str, ...]:
+    """The plan's rows for this model: :data:`PLAN_STRATEGIES`, and for a mixture of experts the rows only it has
+    (expert parallel), in ``auto``'s order."""
+    return strategy_table.AUTO_ORDER if shape.experts else PLAN_STRATEGIES
 
 
 def kv_width(model_config: Any) -> int:
@@ -231,6 +250,8 @@ def policy_estimate(strategy: str, shape: ModelShape, inputs: PlanInputs) -> Str
         transient = gathered + w * shape.largest_block + w * shape.outside_blocks  # its unsharded grads, the root
         return StrategyPlan(strategy, _ceil(stored, n) + constants, w * _ceil(t, n), optimizer_bytes(shape, inputs, w, n),
                             transient, activations, runtime, 0)
+    if strategy == "ep":
+        return expert_parallel_estimate(shape, inputs, stored, activations, runtime)
     # DeepSpeed: the model in d bytes (it casts to bf16/fp16); the optimizer steps fp32 partitions
     # (a master copy, except fp32 ZeRO-3 whose partition is the master); its gradient is an fp32
     # copy of the partition (ZeRO-3: of one sub-group of it at a time).
@@ -251,6 +272,25 @@ def policy_estimate(strategy: str, shape: ModelShape, inputs: PlanInputs) -> Str
     offloaded = params + step_grad + optimizer if offload and inputs.device == "gpu" else 0
     return StrategyPlan(strategy, params, grads, optimizer, gathered + d * shape.persistent, activations, runtime,
                         offloaded)
+
+
+def expert_parallel_estimate(shape: ModelShape, inputs: PlanInputs, stored: int, activations: int,
+                             runtime: int) -> StrategyPlan:
+    """Strategy ep: fsdp's sharded state (experts ``1/ep`` per rank, then FSDP2 over the ``N / ep`` holding the same;
+    the dense parts ``1/N``); a block's gather is its dense part and this rank's experts, plus the layer's routed rows
+    in flight (``k`` per token, sent and received). What backward keeps is the model's own (the experts' inputs and
+    outputs, ``k`` rows per token on whichever rank runs them), traced without expert parallel."""
+    n, t, w = inputs.world_size, shape.trainable, DTYPE_BYTES[inputs.dtype]
+    ep = inputs.ep_size or n
+    if n % ep or shape.num_experts % ep:
+        return StrategyPlan.refusal("ep", f"ep_size {ep} must divide the world size {n} and the {shape.num_experts} "
+                                    "experts of each MoE layer")
+    half = inputs.mixed_precision != "no"
+    block = shape.largest_block - shape.largest_block_experts + _ceil(shape.largest_block_experts, ep)
+    routed = 2 * inputs.micro_batch * inputs.seq_len * shape.top_k * shape.hidden * (2 if half else w)
+    transient = int((2 if half else w) * 2 * block) + w * block + w * shape.outside_blocks + routed
+    return StrategyPlan("ep", _ceil(stored, n), w * _ceil(t, n), optimizer_bytes(shape, inputs, w, n), transient,
+                        activations, runtime, 0)
 
 
 def quantized_base_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[int, int]:
@@ -279,10 +319,10 @@ def _ceil(count: int, ranks: int) -> int:
     return -(-count // ranks)
 
 
-def plan(shape: ModelShape, inputs: PlanInputs, strategies: tuple[str, ...] = PLAN_STRATEGIES) -> list[StrategyPlan]:
+def plan(shape: ModelShape, inputs: PlanInputs, strategies: tuple[str, ...] | None = None) -> list[StrategyPlan]:
     """Every strategy's plan, ``fits`` set against the budget with headroom."""
     budget = inputs.device_memory_bytes * (1 - HEADROOM)
-    plans = [estimate(s, shape, inputs) for s in strategies]
+    plans = [estimate(s, shape, inputs) for s in (plan_strategies(shape) if strategies is None else strategies)]
     for p in plans:
         p.fits = p.device_total <= budget
     return plans
@@ -315,7 +355,7 @@ def inputs_from_config(cfg: Any, world_size: int, budget: int) -> PlanInputs:
         micro_batch=cfg.args.per_device_train_batch_size, dtype=cfg.model.model_dtype,
         mixed_precision="bf16" if t.get("bf16") else "fp16" if t.get("fp16") else "no",
         gradient_checkpointing=bool(t.get("gradient_checkpointing")), device="gpu" if on_gpu else "cpu",
-        attention=cfg.model.attn_implementation or "sdpa",
+        attention=cfg.model.attn_implementation or "sdpa", ep_size=max(cfg.strategy.ep_size, 0),
         **quantization_inputs(cfg.model.load_in_4bit, cfg.model.load_in_8bit, cfg.model.bnb_4bit_use_double_quant,
                               str(cfg.args.optim)),
     )
@@ -366,13 +406,14 @@ def quantization_inputs(load_in_4bit: bool, load_in_8bit: bool, double_quant: bo
             "optim_bits": 8 if "8bit" in optim else 32}
 
 
-def runnable(cfg: Any, world_size: int) -> tuple[tuple[str, ...], dict[str, str]]:
-    """The plan's strategies this config can run at this world size, and why the others cannot."""
+def runnable(cfg: Any, world_size: int, strategies: tuple[str, ...] = PLAN_STRATEGIES
+             ) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The plan's ``strategies`` this config can run at this world size, and why the others cannot."""
     from hftk.config import support
     from hftk.models.loading import quantized_field
 
     ok, why = [], {}
-    for name in PLAN_STRATEGIES:
+    for name in strategies:
         trial = copy.deepcopy(cfg)
         trial.strategy.strategy = name
         try:
@@ -389,8 +430,8 @@ def resolve_auto(cfg: Any, model_config: Any, world_size: int) -> str:
     """Replace ``auto`` by the least sharding that fits; print the choice on rank 0."""
     budget, source = device_memory_bytes(cfg)
     inputs = inputs_from_config(cfg, world_size, budget)
-    candidates, why_not = runnable(cfg, world_size)
     shape = model_shape(model_config, cfg.model.lora_r, cfg.model.lora_target_modules)
+    candidates, why_not = runnable(cfg, world_size, plan_strategies(shape))
     plans = plan(shape, inputs, candidates)
     chosen = pick(plans)
     if chosen is None:
@@ -464,6 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "degree (strategy sp)")
     p.add_argument("--cp_size", type=_positive(int), default=1, help="also show ring-attention context parallel of "
                    "this degree (strategy cp, with --tp_size when given; FSDP2 over the other ranks)")
+    p.add_argument("--ep_size", type=_positive(int), default=None, help="a mixture of experts' expert-parallel "
+                   "degree for its ep row (strategy ep; default: the world size)")
     p.add_argument("--device", choices=["gpu", "cpu"], default=None,
                    help="what a rank's memory is (default: gpu when one is present, else cpu)")
     p.add_argument("--method", choices=["sft", "dpo", "grpo"], default="sft", help="training.method: dpo runs "
@@ -524,11 +567,11 @@ def plan_command(argv: list[str]) -> int:
                         rollout_rows=args.micro_batch * args.gradient_accumulation_steps if grpo else 0,
                         rollout_tokens=tokens if grpo else 0,
                         mixed_precision=args.mixed_precision, gradient_checkpointing=args.gradient_checkpointing,
-                        attention=args.attn_implementation, device=device,
+                        attention=args.attn_implementation, device=device, ep_size=args.ep_size or 0,
                         pairs=args.method == "dpo", reference=held, **quant,
                         reference_params=reference_params(model_cfg, named) if held and named else None)
     shape = model_shape(model_config, args.lora_r, args.lora_target_modules)
-    plans = plan(shape, inputs, QUANT_STRATEGIES if inputs.quant_bits else PLAN_STRATEGIES)
+    plans = plan(shape, inputs, QUANT_STRATEGIES if inputs.quant_bits else None)
     chosen = pick(plans)
     if not inputs.quant_bits:  # tp / cp / sp train no LoRA, so no quantized base
         plans += strategy_table.get("tp").plan_rows(  # tp / cp / sp rows: their own module

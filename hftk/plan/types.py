@@ -50,6 +50,10 @@ class ModelShape:
     kv_width: int = 0  # key (and value) elements one token caches per layer: key/value heads x head size
     experts: int = 0  # a mixture of experts' expert weights (all held, whatever a token uses)
     active: int = 0  # the parameters one token uses (its top-k experts of each MoE layer); 0: all of them
+    largest_block_experts: int = 0  # the expert weights inside the biggest block (expert parallel splits them)
+    moe_layers: int = 0  # blocks with experts
+    top_k: int = 0  # experts each token is routed to
+    num_experts: int = 0  # experts per MoE layer
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class PlanInputs:
     reference_params: int | None = None  # DPO: a separately named reference's parameters (None: the policy's)
     rollout_rows: int = 0  # GRPO: the completions a rank generates at once (per-device batch x steps per generation)
     rollout_tokens: int = 0  # GRPO: the longest prompt + max_completion_length (the KV cache's length)
+    ep_size: int = 0  # expert parallel: ranks each MoE layer's experts are split over (0: the world size)
 
 
 @dataclass

@@ -33,7 +33,7 @@ class CheckpointKind:
 
 
 KINDS: list[CheckpointKind] = [
-    CheckpointKind("mesh-dcp (tp / cp / sp)", mesh_checkpoint.is_mesh_checkpoint, mesh_checkpoint.export_state_dict),
+    CheckpointKind("mesh-dcp (tp / cp / sp / ep)", mesh_checkpoint.is_mesh_checkpoint, mesh_checkpoint.export_state_dict),
     CheckpointKind("pipeline", pipeline.is_pipeline_checkpoint, pipeline.pipeline_state_dict),
     CheckpointKind("deepspeed-zero", zero.is_zero_checkpoint, zero.zero_state_dict),
     CheckpointKind("fsdp-sharded", fsdp.is_fsdp_checkpoint, fsdp.fsdp_state_dict),

@@ -365,16 +365,18 @@ def check_training_arguments(training: dict[str, Any]) -> None:
 
 
 def _check_parallel_degrees(cfg: RunConfig) -> None:
-    """A tensor/sequence/context-parallel degree only means something to the strategies that apply it."""
+    """A tensor/sequence/context/expert-parallel degree only means something to the strategies that apply it."""
+    from hftk.config.options import StrategyConfig
     from hftk.config.strategy_table import STRATEGIES
 
     s = cfg.strategy
     degrees = dict.fromkeys(option for spec in STRATEGIES.values() for option in spec.options)
     for name in degrees:
         owners = [n for n, spec in STRATEGIES.items() if name in spec.options]
-        if getattr(s, name) != 1 and s.strategy not in owners:
+        default = StrategyConfig.__dataclass_fields__[name].default
+        if getattr(s, name) != default and s.strategy not in owners:
             raise HftkError(f"strategy.{name}", f"is {getattr(s, name)} but strategy {s.strategy} does not use it.",
-                            f"pass --strategy {' or '.join(owners)}, or leave {name} at 1.")
+                            f"pass --strategy {' or '.join(owners)}, or leave {name} at {default}.")
 
 
 def _check_output_dir(cfg: RunConfig) -> None:

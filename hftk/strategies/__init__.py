@@ -1,5 +1,5 @@
 """One module per strategy, each the single place that strategy's parallelism is applied (from outside the
-model code), plus what they share: the degrees of every dimension (``parallel_dims``), the tp / cp / sp
+model code), plus what they share: the degrees of every dimension (``parallel_dims``), the tp / cp / sp / ep
 step and its checkpoints (``mesh``, ``mesh_checkpoint``), each family's TP plan (``tp_plans``).
 
 Every strategy module answers the same questions with plain functions (no base class):
@@ -24,9 +24,9 @@ A strategy driven by the HF Trainer (``engine == "trainer"``) also answers:
 - optional ``resume_folder(resume) -> str | None``: the folder the Trainer resumes from instead of
   ``resume`` (ZeRO-1/2 at another world size: the universal checkpoint ``training_arguments`` converted).
 
-The custom loop's strategies (``engine == "loop"``, :mod:`hftk.engine.loop`: pipeline, tp, cp, sp)
+The custom loop's strategies (``engine == "loop"``, :mod:`hftk.engine.loop`: pipeline, tp, cp, sp, ep)
 answer ``build_step(model, cfg, args)`` instead of the Trainer hooks: the step that loop drives
-(the pipeline's stages; for tp / cp / sp a ``layout(model, cfg, device_type) -> MeshLayout`` wrapped
+(the pipeline's stages; for tp / cp / sp / ep a ``layout(model, cfg, device_type) -> MeshLayout`` wrapped
 by :func:`hftk.strategies.mesh.mesh_step`). Every strategy takes its degrees and meshes from :mod:`hftk.strategies.parallel_dims`.
 
 Imports: the layers below (``core`` .. ``plan``); never the engine (the engines load strategies through

@@ -100,10 +100,11 @@ def device_mesh(cfg: RunConfig) -> Any:
 
 
 def apply_fsdp(model: Any, blocks: list[Any], mesh: Any, reshard_after_forward: bool, bf16: bool = False,
-               cpu_offload: bool = False) -> None:
+               cpu_offload: bool = False, ignored: set[Any] | None = None) -> None:
     """FSDP2 the way every hftk layout uses it: ``fully_shard`` each decoder block (one gather unit
-    each), then the root (embeddings, final norm, head); strategy fsdp and tp / cp's data-parallel
-    dimensions. ``bf16``: bf16 compute with fp32 gradient reduction (tp / cp / sp autocast instead)."""
+    each), then the root (embeddings, final norm, head); strategy fsdp and tp / cp / ep's data-parallel
+    dimensions. ``bf16``: bf16 compute with fp32 gradient reduction (tp / cp / sp autocast instead).
+    ``ignored``: parameters another layout owns whole (expert parallel's experts, one rank each)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     options = {
@@ -113,6 +114,7 @@ def apply_fsdp(model: Any, blocks: list[Any], mesh: Any, reshard_after_forward: 
                       if bf16 else MixedPrecisionPolicy()),
         # Pinned host memory needs an accelerator; on a CPU-only run the shards live in RAM anyway.
         "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy(),
+        "ignored_params": ignored,
     }
     for block in blocks:
         fully_shard(block, **options)

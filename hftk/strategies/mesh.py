@@ -18,6 +18,7 @@ token count, and the gradient reductions sum the parts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager
@@ -64,6 +65,11 @@ class MeshLayout:
     loss_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     reduce_grads: Callable[[], None] = lambda: None
     autocast_dtype: torch.dtype | None = None  # training.bf16: forwards under autocast, fp32 weights and optimizer
+    callbacks: list[Any] = dataclasses.field(default_factory=list)  # Trainer callbacks the loop adds (its counters)
+    # what splits the optimizer's parameter groups besides weight decay (default: the parameter's device mesh); a
+    # layout whose meshes change with its degrees names groups that do not, so a resume at other degrees finds the
+    # scheduler's per-group state whole
+    param_group: Callable[[torch.nn.Parameter], Any] = lambda param: getattr(param, "device_mesh", None)
 
 
 def check_training_options(cfg: Any, strategy: str) -> None:
@@ -213,21 +219,22 @@ class MeshStep:
     dp_rank = property(lambda self: self.layout.data_rank)
     describe = property(lambda self: self.layout.describe)
     replica_key = None  # never read: check_training_options refuses tracking.check_sync_steps
+    callbacks = property(lambda self: self.layout.callbacks)
 
     @property
     def params(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(self.layout.model.named_parameters())
 
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
-        """The Trainer's decay groups, split by device mesh: parameters on different meshes (tensor-parallel
-        shards next to replicated norms) cannot share one foreach kernel call."""
+        """The Trainer's decay groups, split by device mesh (the layout's ``param_group``): parameters on different
+        meshes (tensor-parallel shards next to replicated norms) cannot share one foreach kernel call."""
         from transformers import Trainer
 
         decay_names = set(Trainer.get_decay_parameter_names(None, self.layout.model))  # uses no Trainer state
         groups: dict[tuple[bool, Any], list[torch.nn.Parameter]] = {}
         for name, param in self.params:
             if param.requires_grad:
-                groups.setdefault((name in decay_names, getattr(param, "device_mesh", None)), []).append(param)
+                groups.setdefault((name in decay_names, self.layout.param_group(param)), []).append(param)
         return [{"params": params, "weight_decay": weight_decay if decays else 0.0}
                 for (decays, _), params in groups.items()]
 
@@ -252,6 +259,10 @@ class MeshStep:
         layout.reduce_grads()
         return float((all_reduce_sum(total, layout.data_groups) / tokens
                       + all_reduce_sum(balance, layout.data_groups)))
+
+    def adapter_tensors(self, names: set[str]) -> dict[str, torch.Tensor]:
+        """Collective (every rank, the same order): the LoRA weights ``names`` whole, as CPU tensors."""
+        return {n: plain(p.detach()).to("cpu", copy=True) for n, p in self.params if n in names}
 
     def clip_gradients(self, max_norm: float) -> float:
         return clip_grad_norm(self.layout.model, max_norm)
@@ -283,18 +294,17 @@ class MeshStep:
 
     def consolidated_model(self, adapter: Any = None) -> torch.nn.Module | None:
         """Collective: every shard gathered to rank 0, which gets a one-process HF model of the current weights
-        (in host memory: the engine places it; the other ranks get None). Generation samples run on it: a tensor-, context- or
-        sequence-parallel forward takes whole sequences of fixed shapes, not ``generate``'s growing ones.
-        ``adapter`` is always None here: tp, cp and sp refuse LoRA."""
+        (in host memory: the engine places it; the other ranks get None). Generation samples run on it: a tensor-,
+        context-, sequence- or expert-parallel forward needs every rank in each step, not ``generate``'s loop on
+        one. ``adapter``: the run's PEFT config (LoRA, which of these strategies only ep trains): the copy is
+        the base with that adapter."""
         from hftk.strategies.mesh_checkpoint import gathered_model
 
-        return gathered_model(self.layout)
+        return gathered_model(self.layout, adapter)
 
 
 def mesh_step(model: torch.nn.Module, cfg: Any, args: Any, build_layout: Callable[..., MeshLayout]) -> MeshStep:
     """Shard ``model`` with the strategy's ``build_layout`` and wrap it for the loop (bf16 as autocast)."""
-    import dataclasses
-
     kind = device_type(cfg)
     device = torch.device("cpu") if kind == "cpu" else torch.device("cuda", torch.cuda.current_device())
     layout = build_layout(model.to(device), cfg, kind)

@@ -1,4 +1,4 @@
-"""The on-disk state of tp / cp / sp runs: DCP shards, the gathered HF folder, the offline reader.
+"""The on-disk state of tp / cp / sp / ep runs: DCP shards, the gathered HF folder, the offline reader.
 
 Inside a ``checkpoint-N`` folder (written by :mod:`hftk.checkpoint.checkpointer` with the scheduler, trainer
 state and every rank's RNG) this module writes ``dcp/`` (model and AdamW state through
@@ -32,7 +32,7 @@ def write_state(folder: Path, layout: Any, optimizer: Any) -> None:
 
     model_state, optim_state = get_state_dict(layout.model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / DCP_DIR))
-    if dist.get_rank() == 0:  # tp / cp / sp run on a device mesh: a process group is always up
+    if dist.get_rank() == 0:  # tp / cp / sp / ep run on a device mesh: a process group is always up
         (folder / LAYOUT_FILE).write_text(json.dumps(layout.describe, indent=1, sort_keys=True))
 
 
@@ -57,12 +57,13 @@ def _full_state(layout: Any) -> dict[str, torch.Tensor]:
 PLAIN_SDPA = "hftk_plain_sdpa"  # transformers' own SDPA attention and mask, under a name no strategy replaces
 
 
-def gathered_model(layout: Any) -> torch.nn.Module | None:
+def gathered_model(layout: Any, adapter: Any = None) -> torch.nn.Module | None:
     """Collective: rank 0 gets a runnable one-process HF model of the layout's current weights; the others None.
 
     It attends as a one-process model does: cp's ring attention (causal, no mask: wrong for a one-token query
     over a KV cache) and sp's Ulysses (which takes over "sdpa" in this process and would wait for the other
-    ranks) are replaced by transformers' plain SDPA, registered under :data:`PLAIN_SDPA`."""
+    ranks) are replaced by transformers' plain SDPA, registered under :data:`PLAIN_SDPA`. ``adapter``: the run's
+    PEFT config: the copy is the base with that adapter (the live model is a PeftModel)."""
     import copy
 
     from transformers import AttentionInterface
@@ -72,6 +73,10 @@ def gathered_model(layout: Any) -> torch.nn.Module | None:
     full = _full_state(layout)
     if dist.get_rank() != 0:
         return None
+    if adapter is not None:
+        from hftk.models.lora import peft_model_from
+
+        return peft_model_from(layout.model.config, adapter, full)
     config = copy.deepcopy(layout.model.config)
     if config._attn_implementation not in ("eager", "flash_attention_2", "flash_attention_3"):
         AttentionInterface.register(PLAIN_SDPA, sdpa_attention_forward)

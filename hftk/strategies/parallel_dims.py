@@ -2,8 +2,13 @@
 resolved and checked once (torchtitan's ``ParallelDims``).
 
 Every strategy reads its degrees here: tp / cp / sp's meshes, the pipeline's ``(dp, pp)`` mesh,
-Ulysses' ``(dp, sp)`` mesh, and the global batch a resume at another world size must keep
-(:attr:`ParallelDims.data_parallel`, the ranks that read different samples).
+Ulysses' ``(dp, sp)`` mesh, expert parallel's ``(dp_shard_mod_ep, ep)`` mesh, and the global batch a resume at
+another world size must keep (:attr:`ParallelDims.data_parallel`, the ranks that read different samples).
+
+Expert parallel is not a factor of the world size of its own: as in torchtitan, the ``ep`` ranks that split a
+layer's experts are borrowed from the data-parallel shards (they read different samples and shard the dense
+parts with FSDP2), so ``ep`` divides ``dp_shard`` and the experts' own FSDP2 runs over the ``dp_shard / ep``
+ranks that hold the same experts.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class ParallelDims:
     tp: int = 1  # tensor parallel
     pp: int = 1  # pipeline stages
     sp: int = 1  # Ulysses sequence parallel: one sequence over sp ranks
+    ep: int = 1  # expert parallel: each MoE layer's experts split over ep of the dp_shard ranks (not a factor)
 
     @property
     def world_size(self) -> int:
@@ -42,6 +48,20 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=names)
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """Ranks that hold the same experts (their FSDP2 group) under expert parallel."""
+        return self.dp_shard // self.ep
+
+
+def check_experts(dims: ParallelDims, num_experts: int) -> None:
+    """Expert parallel splits every MoE layer's ``num_experts`` evenly over ``dims.ep`` ranks, or says which to pick."""
+    if num_experts % dims.ep:
+        fits = [n for n in range(1, dims.dp_shard + 1) if dims.dp_shard % n == 0 and num_experts % n == 0]
+        raise HftkError("strategy.ep_size", f"{dims.ep} does not divide the model's {num_experts} experts per layer.",
+                        f"choose an ep_size that divides both {num_experts} and the world size {dims.dp_shard}: "
+                        f"{', '.join(map(str, fits))}.")
 
 
 def parallel_dims(strategy: Any, world_size: int) -> ParallelDims:
@@ -63,6 +83,13 @@ def parallel_dims(strategy: Any, world_size: int) -> ParallelDims:
                             f"{strategy.pp_size}.",
                             f"launch a multiple of {strategy.pp_size} processes (pp_size x data-parallel replicas).")
         return ParallelDims(dp_replicate=world_size // strategy.pp_size, pp=strategy.pp_size)
+    if name == "ep":
+        ep = world_size if strategy.ep_size == -1 else strategy.ep_size
+        if ep < 1 or world_size % ep:
+            raise HftkError("strategy.ep_size", f"{strategy.ep_size} does not divide the world size {world_size}.",
+                            "choose an ep_size that divides the number of processes (-1: all of them); the ranks "
+                            "it leaves shard the same experts with FSDP2.")
+        return ParallelDims(dp_shard=world_size, ep=ep)
     if name == "ddp":
         return ParallelDims(dp_replicate=world_size)
     return ParallelDims(dp_shard=world_size)  # fsdp and ZeRO shard over every rank (HSDP's split is theirs)

@@ -36,6 +36,7 @@ from hftk.comm.collectives import all_reduce_flat, gather_objects
 from hftk.config.options import RunConfig, StrategyConfig
 from hftk.core.errors import HftkError
 from hftk.models import moe
+from hftk.models.lora import peft_model_from
 from hftk.models.layout import DecoderLayout, layout
 from hftk.models.spec import check_strategy, model_spec
 from hftk.strategies.parallel_dims import ParallelDims, parallel_dims
@@ -778,7 +779,7 @@ class PipelineStep:
             state.pop(self.rt.tied_names[1], None)
         if adapter is None:
             return model_from(self.config, state, Path("<live model>"), runnable=True)
-        return _peft_model(self.config, adapter, state)
+        return peft_model_from(self.config, adapter, state)
 
     def save_final(self, folder: Path, tokenizer: Any) -> None:
         """Collective: the stages written once more, then rank 0 consolidates them into one HF folder in ``folder``
@@ -799,24 +800,6 @@ class PipelineStep:
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
             check_complete(folder, shapes_of(model))
-
-
-def _peft_model(config: Any, adapter: Any, state: dict[str, torch.Tensor]) -> nn.Module:
-    """The base built from ``config`` with PEFT's ``adapter`` on it, holding ``state`` (PeftModel names)."""
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    with no_init_weights():
-        model = get_peft_model(AutoModelForCausalLM.from_config(config), adapter)
-    _, unexpected = model.load_state_dict(state, strict=False)
-    model.get_base_model().tie_weights()  # the head dropped above is the embedding's tensor again
-    loaded = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in state}
-    missing = [name for name, p in model.named_parameters(remove_duplicate=False) if id(p) not in loaded]
-    if unexpected or missing:
-        raise HftkError("strategy.pp_size", f"the gathered stages do not match the model: missing {missing[:3]}, "
-                        f"unexpected {unexpected[:3]}.", "report this: the stages should hold every weight.")
-    return model
 
 
 def build_step(model: nn.Module, cfg: RunConfig, args: Any) -> PipelineStep:

@@ -31,6 +31,8 @@ REDUCED = [
     "--set", "memory.steps=2", "--set", "memory.strategies=ddp,fsdp", "--set", "memory.dpo=true",
     "--set", "data.examples=40", "--set", "data.min_words=4", "--set", "data.max_words=40",
     "--set", "startup.nprocs=2", "--set", "startup.repeats=1",
+    "--set", "moe.model=builtin:qwen3-moe-small", "--set", "moe.steps=2", "--set", "moe.micro_batch=2",
+    "--set", "moe.implementations=eager",
 ]
 
 
@@ -111,6 +113,13 @@ def test_every_figure_is_a_finite_measured_number(report):
     data = benches["data"]["modes"]
     assert data["bfd"]["padding_share"] < data["none"]["padding_share"] < data["pad-to-block"]["padding_share"]
     assert data["none"]["eval_loss"] == pytest.approx(data["pad-to-block"]["eval_loss"], abs=1e-5)  # padding is exact
+    moe = benches["moe"]["rows"]  # ddp, fsdp and ep at the device's experts implementation (grouped_mm), ep eager
+    assert list(moe) == ["ddp", "fsdp", "ep", "ep eager"]
+    for row in moe.values():
+        assert row["tokens_per_s_vs_ddp"] == pytest.approx(row["tokens_per_s"] / moe["ddp"]["tokens_per_s"], rel=1e-9)
+        assert row["tokens_per_s"] == pytest.approx(2 * 2 * 64 / row["step_time_s"], rel=1e-9)
+    assert moe["ep"]["all_to_all_bytes_per_step"] > 0 and "all_to_all_bytes_per_step" not in moe["fsdp"]
+    assert moe["ep"]["model_state_mib"] < 0.6 * moe["ddp"]["model_state_mib"]  # experts and dense parts sharded
     startup = benches["startup"]
     timed = {r["variant"]: r["seconds"] for r in startup["runs"]}
     assert set(timed["hftk"]) == {*STARTUP_PHASES, "total"}  # every phase hftk marks, from its own record

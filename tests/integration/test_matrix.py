@@ -7,17 +7,20 @@ The models are made here from each family's default config (small sizes, the qui
 A refusal is found in-process by ``hftk.run.prepare.prepare`` (validation, before any process group, as
 ``hftk train`` runs it). Every cell that passes validation runs for real on 2 gloo ranks for 3 optimizer steps,
 each ``scripts/finetune.py`` on warm ranks of its own (tests/warm.py: forked from a process that has the imports
-done), at a global batch of 2 rows (the Trainer's strategies: 1 per rank; the loop's: 2 on its one data-parallel
-replica).
+done), at a global batch of 2 rows (the Trainer's strategies and ep: 1 per rank; the other loop strategies: 2 on
+their one data-parallel replica).
 
 The reference of each family is tests/reference/plain.py's loop (no hftk, no Trainer) on one process at batch 2 with
 torch's AdamW, which every cell is given (``--optim adamw_torch``), and the Trainer's loss divisor (the predicted
-tokens for a ``...ForCausalLM`` class, every label otherwise; the mesh strategies, tp / cp / sp, always divide by
-the predicted tokens). Its LoRA runs are PEFT's own ``all-linear`` targets (and a mixture of experts' 3-D expert
+tokens for a ``...ForCausalLM`` class, every label otherwise; the mesh strategies, tp / cp / sp / ep, always divide
+by the predicted tokens). Its LoRA runs are PEFT's own ``all-linear`` targets (and a mixture of experts' 3-D expert
 weights), which hftk's default targets must equal. A mixture of experts' balancing loss is the mean over a step's
-micro-batches: the reference cuts its batch as the cell does (one row per rank under the Trainer's strategies, the
-pipeline's two micro-batches; tp's one batch of two) and runs the experts as hftk does (grouped_mm).
+micro-batches: the reference cuts its batch as the cell does (one row per rank under the Trainer's strategies and
+ep, the pipeline's two micro-batches; tp's one batch of two) and runs the experts as hftk does (grouped_mm).
 Each cell's per-step losses and final weights (the adapter's, for LoRA) equal the reference's within 1e-5.
+
+Every mixture of experts resumes exactly under fsdp, pipeline and ep from its cell's checkpoint-2 alone; ep's
+resume also changes the layout, family by family (:data:`EP_RESUMES`): the experts redistributed on load.
 """
 
 from __future__ import annotations
@@ -49,13 +52,19 @@ COMMON = ["--model_dropout", "0", "--block_size", str(BLOCK), "--max_train_sampl
           "no", "--report_to", "none", "--disable_tqdm", "true", "--seed", "7"]
 STRATEGY_ARGS = {"pipeline": ["--pp_size", "2", "--pp_microbatches", "2"], "tp": ["--tp_size", "2"],
                  "cp": ["--cp_size", "2"], "sp": ["--sp_size", "2"]}
-MESH = ("tp", "cp", "sp")  # their loss: the mean over predicted tokens, whatever the model class
+MESH = ("tp", "cp", "sp", "ep")  # their loss: the mean over predicted tokens, whatever the model class
+OWN_ROWS = ("ep",)  # loop strategies whose 2 ranks read different rows (the others' ranks share them)
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe")
 # Exact resume: these cells save at step 2, and a resumed run continues from that checkpoint alone: every mixture of
-# experts (router, experts, balancing loss, optimizer state through FSDP2's sharded checkpoint and the pipeline's
-# stage files), Gemma 3's tied head across pipeline stages, Qwen3's and Phi-3's tensor-parallel DCP shards.
+# experts (router, experts, balancing loss, optimizer state through FSDP2's sharded checkpoint, the pipeline's
+# stage files and ep's DCP shards), Gemma 3's tied head across pipeline stages, Qwen3's and Phi-3's tensor-parallel
+# DCP shards.
 RESUMED = {("fsdp", f) for f in MOE_FAMILIES} | {("pipeline", f) for f in (*MOE_FAMILIES, "gemma3_text")} | \
-    {("tp", "qwen3"), ("tp", "phi3")}
+    {("tp", "qwen3"), ("tp", "phi3")} | {("ep", f) for f in MOE_FAMILIES}
+# How ep's resumed run differs from the cell that saved (2 ranks, ep 2, a row each): (ranks, options). At ep 1 every
+# expert is FSDP2-sharded over both ranks; on one rank all of them are whole there (the same 2 rows as 2 micro-batches).
+EP_RESUMES = {"qwen3_moe": (2, ["--ep_size", "1"]), "mixtral": (1, ["--gradient_accumulation_steps", "2"]),
+              "gpt_oss": (2, []), "olmoe": (1, ["--gradient_accumulation_steps", "2"])}
 SAVE_AT = ["--save_strategy", "steps", "--save_steps", "2"]
 LORA = ["--lora_r", "4", "--lora_dropout", "0"]
 QLORA = ["--load_in_4bit", *LORA]
@@ -63,7 +72,7 @@ TOLERANCE = 1e-5
 
 
 def cell_argv(strategy: str, model: Path, variant: str, out: Path) -> list[str]:
-    per_rank = "1" if TABLE[strategy].engine == "trainer" else "2"  # a global batch of 2 either way
+    per_rank = "1" if TABLE[strategy].engine == "trainer" or strategy in OWN_ROWS else "2"  # a global batch of 2
     extra = {"full": [], "lora": LORA, "qlora": QLORA}[variant]
     return ["--model_name_or_path", str(model), "--strategy", strategy, *COMMON, "--per_device_train_batch_size",
             per_rank, *STRATEGY_ARGS.get(strategy, []), *extra, "--output_dir", str(out)]
@@ -95,7 +104,7 @@ def divisor(model: Path, strategy: str) -> str:
 def micro_batches(strategy: str, moe: bool) -> int:
     """How the cell cuts its batch of 2 for a mixture of experts' balancing loss (1 for a dense model: its loss is
     the same however the batch is cut)."""
-    return 1 if not moe or strategy in MESH else 2
+    return 1 if not moe or strategy in MESH and strategy not in OWN_ROWS else 2
 
 
 def reference_name(family: str, lora: bool, loss_divisor: str, micro: int) -> str:
@@ -174,8 +183,10 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
     for strategy, family in sorted(key for key in RESUMED if outcomes.get((*key, "full")) is None):
         whole, resumed = root / "runs" / f"{strategy}-{family}-full", root / "runs" / f"resumed-{strategy}-{family}"
         shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
-        argv = [*cell_argv(strategy, models[family], "full", resumed), *SAVE_AT, "--resume_from_checkpoint", "latest"]
-        result = torchrun(2, FINETUNE, argv, timeout=900)
+        ranks, changed = EP_RESUMES[family] if strategy == "ep" else (2, [])
+        argv = [*cell_argv(strategy, models[family], "full", resumed), *SAVE_AT, "--resume_from_checkpoint", "latest",
+                *changed]
+        result = torchrun(ranks, FINETUNE, argv, timeout=900)
         assert result.returncode == 0, f"resumed {strategy} {family} failed:\n{result.output[-8000:]}"
     launched = time.perf_counter() - began
     loaded: set[tuple[str, str]] = set()
@@ -240,7 +251,8 @@ def test_a_4bit_base_of_every_family_trains_under_ddp(matrix):
 
 @pytest.mark.parametrize("strategy,family", sorted(RESUMED))
 def test_resumes_exactly(matrix, strategy, family):
-    """From checkpoint-2 alone, step 3 and the final weights equal the uninterrupted run's."""
+    """From checkpoint-2 alone, step 3 and the final weights equal the uninterrupted run's (ep: on the layout
+    :data:`EP_RESUMES` names)."""
     root = matrix[1][family].parents[1] / "runs"
     whole, resumed = losses(root / f"{strategy}-{family}-full"), losses(root / f"resumed-{strategy}-{family}")
     assert sorted(resumed) == [3] and resumed[3] == pytest.approx(whole[3], abs=1e-6)
@@ -252,11 +264,11 @@ def test_resumes_exactly(matrix, strategy, family):
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_router_metrics_reach_metrics_jsonl(matrix, family):
     """Every logged step of a mixture of experts carries the balancing term (unscaled) and the busiest expert's
-    load over the mean, under the Trainer (ddp) and hftk's loop (pipeline)."""
+    load over the mean, under the Trainer (ddp) and hftk's loop (pipeline, ep: the counts of every rank's tokens)."""
     from tests.helpers import metrics
 
     root = matrix[1][family].parents[1] / "runs"
-    for strategy in ("ddp", "pipeline"):
+    for strategy in ("ddp", "pipeline", "ep"):
         logged = [m for m in metrics(root / f"{strategy}-{family}-full") if "loss" in m]
         assert len(logged) == STEPS, (strategy, logged)
         assert all(m["moe_aux_loss"] > 0 and m["expert_load_max_mean"] >= 1.0 for m in logged), (strategy, logged)

@@ -15,6 +15,7 @@ def test_wire_bytes_model():
     assert wire_bytes("all_reduce", 1000, 4) == 1500
     assert wire_bytes("all_gather", 1000, 4) == 3000
     assert wire_bytes("reduce", 1000, 1) == 0
+    assert wire_bytes("all_to_all", 1000, 4) == 1000  # what the rank addresses to the others, as given
 
 
 def test_comm_time_counts_overlapping_collectives_once():
@@ -32,3 +33,22 @@ def test_comm_time_counts_overlapping_collectives_once():
     stats._intervals = []
     window = stats.pop_window()
     assert window["comm_compression_ratio"] == 2.0 and not math.isnan(window["comm_time_s"])
+
+
+def test_a_strategys_own_collectives_reach_each_logged_step_per_optimizer_step():
+    """Expert parallel's all-to-alls (hftk.comm.callback.StepCommCallback): a logging window of two steps logs their
+    mean bytes and count; a log line without a training loss (evaluation) gets nothing."""
+    from hftk.comm.callback import StepCommCallback
+
+    stats = CommStats(world_size=2)
+    callback = StepCommCallback(stats, "ep_all_to_all")
+    for payload in (100, 300):
+        stats.completed(stats.issued("all_to_all", payload, 2))
+        stats.completed(stats.issued("all_to_all", payload, 2))
+        callback.on_step_end(None, None, None)
+    evaluation = {"eval_loss": 1.0}
+    callback.on_log(None, None, None, logs=evaluation)
+    logs = {"loss": 1.0}
+    callback.on_log(None, None, None, logs=logs)
+    assert evaluation == {"eval_loss": 1.0}
+    assert logs == {"loss": 1.0, "ep_all_to_all_bytes_per_step": 400.0, "ep_all_to_all_per_step": 2.0}

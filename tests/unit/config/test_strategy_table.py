@@ -30,7 +30,7 @@ def test_each_row_names_a_module_that_answers_its_engine(name):
     assert not missing, f"{spec.module} lacks {missing} for engine {spec.engine}"
     assert callable(importlib.import_module(f"hftk.engine.{spec.engine}").train)
     fields = {f.name: f.default for f in dataclasses.fields(StrategyConfig)}
-    assert all(fields.get(option) == 1 for option in spec.options), spec.options  # degrees default to 1
+    assert all(fields.get(option) in (1, -1) for option in spec.options), spec.options  # 1, or -1: the whole world
 
 
 def test_the_cli_the_launch_configs_and_the_checks_list_the_table():
@@ -66,6 +66,7 @@ def test_a_deepspeed_launch_config_is_read_back_as_its_strategy(tmp_path, monkey
     ("--pp_size", "2", "fsdp", "pipeline"),
     ("--tp_size", "2", "sp", "tp or cp"),
     ("--dp_shard_size", "-1", "ddp", "tp or cp"),  # FSDP2 under tp / cp only: plain fsdp shards over every rank
+    ("--ep_size", "2", "fsdp", "ep"),
 ])
 def test_a_degree_is_refused_under_a_strategy_that_does_not_own_it(option, value, strategy, owners, tmp_path):
     from hftk.run.validate import check_config
@@ -73,8 +74,9 @@ def test_a_degree_is_refused_under_a_strategy_that_does_not_own_it(option, value
     cfg = load_config([*TINY_ARGS, "--strategy", strategy, option, value, "--output_dir", str(tmp_path / "out")])
     with pytest.raises(HftkError) as caught:
         check_config(cfg)
+    default = StrategyConfig.__dataclass_fields__[option[2:]].default
     assert caught.value.one_line() == (f"strategy.{option[2:]}: is {value} but strategy {strategy} does not use it. "
-                                       f"Fix: pass --strategy {owners}, or leave {option[2:]} at 1.")
+                                       f"Fix: pass --strategy {owners}, or leave {option[2:]} at {default}.")
 
 
 def test_gradient_compression_names_the_strategies_the_table_allows(tmp_path):

@@ -218,3 +218,9 @@ def test_a_mixture_of_experts_is_read_off_its_modules():
     aux_free = AutoConfig.for_model("deepseek_v3", num_hidden_layers=2, n_routed_experts=4, first_k_dense_replace=1)
     assert model_spec(aux_free).moe.aux_coef is None  # it balances with a bias, not a loss
     assert model_spec(AutoConfig.for_model("llama")).moe is None
+    # expert parallel splits transformers' fused experts by their first dimension; a dense model is refused by name
+    assert qwen3.ep_problem is None and shared.ep_problem is None and oss.moe.ep_problem is None
+    assert strategy_refusal(oss, "ep") is None
+    assert strategy_refusal(model_spec(AutoConfig.for_model("llama")), "ep").problem == (
+        "Llama ('llama') cannot run under strategy ep: it has no experts (expert parallel splits a mixture of experts' "
+        "experts over ranks).")

@@ -3,6 +3,7 @@ the sharding order, ``auto``'s pick, the ``hftk plan`` command (tp / sp / cp row
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -410,8 +411,19 @@ def test_hftk_plan_counts_a_mixture_of_experts_total_and_active(tmp_path, capsys
                          "--mixed_precision", "bf16"]) == 0
     out = capsys.readouterr().out
     assert "in experts" in out and "active per token" in out
-    assert all(name in out for name in ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload"))
+    assert all(name in out for name in ("ddp", "zero1", "zero2", "ep", "fsdp", "zero3", "zero3_offload"))
     shape = model_shape(AutoConfig.from_pretrained(tmp_path))
     per_layer = 128 * 3 * 2048 * 768  # gate, up and down of every expert
     assert shape.experts == 6 * per_layer
     assert shape.active == shape.params - shape.experts + 6 * per_layer * 8 // 128
+    # expert parallel: fsdp's sharded state, but a block's gather holds 1/8 of its experts; tried before fsdp
+    inputs = PlanInputs(world_size=8, device_memory_bytes=36 * GIB, seq_len=4096, micro_batch=1,
+                        mixed_precision="bf16")
+    rows = {p.strategy: p for p in plan(shape, inputs)}
+    assert list(rows) == ["ddp", "zero1", "zero2", "ep", "fsdp", "zero3", "zero3_offload"]
+    assert rows["ep"].model_state == rows["fsdp"].model_state and rows["ep"].activations == rows["fsdp"].activations
+    gathered = 2 * 2 * (shape.largest_block - shape.largest_block_experts * 7 // 8)  # bf16, in use + prefetched
+    assert rows["ep"].transient < rows["fsdp"].transient - gathered // 2
+    assert pick(list(rows.values())).strategy == "ep"  # ddp and ZeRO-1/2 hold whole experts: over 80% of 36 GiB
+    four = {p.strategy: p for p in plan(shape, dataclasses.replace(inputs, ep_size=3))}
+    assert four["ep"].refused == "ep_size 3 must divide the world size 8 and the 128 experts of each MoE layer"
