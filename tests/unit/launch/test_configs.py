@@ -48,7 +48,7 @@ def test_yaml_fields_start_two_real_ranks_on_cpu_and_gpu(strategy, monkeypatch):
     assert defaults.num_processes == 2 and defaults.num_machines == 1
     assert not args.cpu and not defaults.use_cpu  # either would start ONE process on CPU
     kind = defaults.distributed_type.value
-    plain = ("ddp", "pipeline", "tp", "cp", "sp")  # the strategy comes from --strategy, not from the launch
+    plain = ("ddp", "pipeline", "tp", "cp", "sp", "ep")  # the strategy comes from --strategy, not from the launch
     assert kind == ("FSDP" if strategy == "fsdp" else "MULTI_GPU" if strategy in plain else "DEEPSPEED")
     assert kind != "MULTI_CPU"
     found = launcher_strategy(env)

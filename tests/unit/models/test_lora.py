@@ -44,7 +44,7 @@ def test_default_targets_wrap_what_peft_all_linear_wraps(model_type):
 
 ERRORS = [
     ("lora_with_tp", ["--model_name_or_path", "builtin:llama-tiny", "--strategy", "tp", "--tp_size", "2",
-                      "--lora_r", "8"], "model.lora_r", "zero3_offload, pipeline"),
+                      "--lora_r", "8"], "model.lora_r", "zero3_offload, ep, pipeline"),
     ("lora_with_sp", ["--model_name_or_path", "builtin:llama-tiny", "--strategy", "sp", "--sp_size", "2",
                       "--lora_r", "8"], "model.lora_r", "strategy sp"),
     ("target_not_in_model", ["--lora_r", "8", "--lora_target_modules", "c_attn,q_proj"], "model.lora_target_modules",

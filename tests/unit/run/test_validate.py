@@ -114,7 +114,7 @@ def _numeric_fields() -> list[tuple[str, str, str]]:
 
 
 def _negative(name: str) -> str:
-    return "-2" if name in ("dp_shard_size", "max_steps") else "-1"  # -1 means "the rest" / "unset" there
+    return "-2" if name in ("dp_shard_size", "ep_size", "max_steps") else "-1"  # -1 means "the rest" / "unset" there
 
 
 def numeric_cases() -> list[Case]:
