@@ -25,7 +25,8 @@ WORKERS = ROOT / "tests" / "workers"
 SHORT = ["--max_steps", "1", "--per_device_train_batch_size", "2", "--max_train_samples", "50"]
 LLAMA = ["--model_name_or_path", "builtin:llama-tiny"]  # sequence parallel splits attention heads GPT-2 fuses
 STRATEGY_ARGS = {"pipeline": ["--pp_size", "2", "--pp_microbatches", "2"], "tp": ["--tp_size", "2", *LLAMA],
-                 "cp": ["--cp_size", "2", *LLAMA], "sp": ["--sp_size", "2", *LLAMA]}
+                 "cp": ["--cp_size", "2", *LLAMA], "sp": ["--sp_size", "2", *LLAMA],
+                 "ep": ["--model_name_or_path", "builtin:qwen3-moe-small"]}  # expert parallel needs experts
 BOUND_S = GRACE_S + 15  # fault to every rank's exit: the watch's grace, then the report; a loaded CPU's margin
 PREVIOUS = b"the weights of the user's previous final"
 

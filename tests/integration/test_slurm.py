@@ -74,6 +74,15 @@ for _ in $(seq 600); do sleep 0.1; done
 """
 
 
+def _default_signals() -> None:
+    """The batch shell starts as slurmstepd starts it, with the default actions: bash cannot trap a signal that was
+    ignored when it started, and whatever ran earlier in this test process may have left one ignored."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def test_the_time_limit_warning_reaches_the_launch_as_sigterm(tmp_path):
     """``#SBATCH --signal=B:USR1@300`` signals the batch shell only; it must pass SIGTERM on to srun (which
     forwards it to each node's launcher) and exit with srun's status (75: preempted, resume me)."""
@@ -86,7 +95,7 @@ def test_the_time_limit_warning_reaches_the_launch_as_sigterm(tmp_path):
     (tmp_path / "bin" / "srun").chmod(0o755)
     env["HFTK_FAKE_DIR"] = str(tmp_path)
     batch = subprocess.Popen(["bash", str(SCRIPT), "ddp"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+                             text=True, preexec_fn=_default_signals)
     deadline = time.time() + 30
     while not (tmp_path / "started").exists() and time.time() < deadline:
         time.sleep(0.05)

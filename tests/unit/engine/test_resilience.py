@@ -115,14 +115,15 @@ def test_a_rank_leaving_with_its_stop_code_ignores_the_launchers_sigterm():
     import os
     import signal
 
-    from hftk.engine.resilience import PreemptionSignal
+    from hftk.engine.resilience import PREEMPTION_SIGNALS, PreemptionSignal
 
-    before = signal.getsignal(signal.SIGTERM)
+    before = {sig: signal.getsignal(sig) for sig in PREEMPTION_SIGNALS}
     try:
         watch = PreemptionSignal()
         with watch.watching():
             watch.leave()
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in PREEMPTION_SIGNALS)
         os.kill(os.getpid(), signal.SIGTERM)  # would end this test process were it not ignored
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    finally:  # every one restored: an ignored signal is inherited by every process this worker starts later
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
