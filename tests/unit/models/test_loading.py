@@ -76,3 +76,22 @@ def test_hub_kernels_stay_off_unless_asked(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(path).use_kernels, "transformers' default changed: this test proves nothing"
     assert not load_model(ModelConfig(model_name_or_path="builtin:gpt2-tiny")).use_kernels
     assert load_model(ModelConfig(model_name_or_path="builtin:gpt2-tiny", use_hub_kernels=True)).use_kernels
+
+
+def test_what_the_model_class_builds_frozen_stays_frozen_after_loading(tmp_path):
+    """Ernie 4.5 MoE declares its routers' score-correction bias ``requires_grad=False`` (its own rule updates it);
+    transformers' from_pretrained makes it trainable again, and under DDP the run then failed at its second step
+    waiting for a gradient that never comes. hftk's loading keeps it frozen; everything else stays trainable."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import make_family
+
+    folder = make_family("ernie4_5_moe", tmp_path / "ernie", moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
+                         moe_layer_start_index=0)
+    bias = "model.layers.0.mlp.gate.moe_statics.e_score_correction_bias"
+    plain = AutoModelForCausalLM.from_pretrained(folder)
+    assert plain.get_parameter(bias).requires_grad, "transformers now keeps it frozen: this test proves nothing"
+    model = load_model(ModelConfig(model_name_or_path=str(folder)))
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {name for name, _ in plain.named_parameters() if name.endswith("e_score_correction_bias")}
+    assert bias in frozen
