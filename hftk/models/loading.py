@@ -190,11 +190,11 @@ def load_model(cfg: ModelConfig, shardable: bool = False) -> Any:
     if quantization is not None:
         evaluate_4bit_as_trained(model)
     else:
-        keep_declared_frozen(model, config, cfg.trust_remote_code)
+        keep_declared_frozen(model, config)
     return model
 
 
-def keep_declared_frozen(model: Any, config: Any, trust_remote_code: bool) -> list[str]:
+def keep_declared_frozen(model: Any, config: Any) -> list[str]:
     """Freeze again what the model class builds frozen; returns the names.
 
     transformers 5's ``from_pretrained`` hands back every loaded parameter trainable, also those a class declares
@@ -202,10 +202,8 @@ def keep_declared_frozen(model: Any, config: Any, trust_remote_code: bool) -> li
     gradient): the optimizer would move them and DDP waits for a gradient that never comes. A meta-device build of
     the same config (no memory, no init) says which they are.
     """
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):  # the class itself: from_config would also run ZeRO-3's partitioned init
+        skeleton = type(model)(config)
     frozen = {name for name, p in skeleton.named_parameters() if not p.requires_grad}
     names = [name for name, p in model.named_parameters() if name in frozen and p.requires_grad]
     for name in names:
