@@ -167,14 +167,20 @@ def resolve_format(cfg: DataConfig, columns: list[str], first_row: dict[str, Any
     return fmt
 
 
-def check_raw(cfg: DataConfig, raw: Any, field: str = "data.dataset") -> str:
-    """Validation that needs the raw data: split, columns, emptiness. Returns the (declared) data format."""
+def check_splits(cfg: DataConfig, raw: Any) -> list[str]:
+    """The splits the run reads (train, then eval if set), each checked to be in the dataset."""
     if cfg.train_split not in raw:
         raise HftkError("data.train_split", f"split '{cfg.train_split}' is not in {cfg.dataset} ({', '.join(raw)}).",
                         "set data.train_split to an existing split.")
     if cfg.eval_split and cfg.eval_split not in raw:
         raise HftkError("data.eval_split", f"split '{cfg.eval_split}' is not in {cfg.dataset} ({', '.join(raw)}).",
                         "set data.eval_split to an existing split or leave it unset.")
+    return [s for s in (cfg.train_split, cfg.eval_split) if s]
+
+
+def check_raw(cfg: DataConfig, raw: Any, field: str = "data.dataset") -> str:
+    """Validation that needs the raw data: split, columns, emptiness. Returns the (declared) data format."""
+    check_splits(cfg, raw)
     train = raw[cfg.train_split]
     if len(train) == 0:
         raise HftkError(field, f"the '{cfg.train_split}' split of {cfg.dataset} has no rows.",

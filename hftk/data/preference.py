@@ -50,15 +50,12 @@ def load_preference_sources(cfg: Any) -> list[Any]:
     """Every dataset of the run through hftk's loader (``load_raw``), each split it reads checked as
     preference rows and cut to the pair's columns. Several datasets mix as for supervised fine-tuning
     (:func:`hftk.data.dataset.split_and_mix`) when they share one format and prompt layout: TRL reads one per dataset."""
-    from hftk.data.dataset import Source, load_raw, source_configs, with_default_weights
+    from hftk.data.dataset import Source, check_splits, load_raw, source_configs, with_default_weights
 
     sources = []
     for scfg, weight, field in source_configs(cfg):
         raw = load_raw(scfg)
-        if scfg.train_split not in raw:
-            raise HftkError("data.train_split", f"split '{scfg.train_split}' is not in {scfg.dataset}.",
-                            "set data.train_split to an existing split.")
-        splits = [s for s in (scfg.train_split, scfg.eval_split) if s]
+        splits = check_splits(scfg, raw)
         formats = {check_preference_rows(raw[split], f"{scfg.dataset} ({split})", field) for split in splits}
         pair = [c for c in ("prompt", "chosen", "rejected") if c in raw[scfg.train_split].column_names]
         raw = raw.select_columns(pair)  # a dataset's other columns (ids, scores) would not concatenate

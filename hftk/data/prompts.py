@@ -56,18 +56,12 @@ def load_prompt_sources(cfg: Any) -> list[Any]:
     """Every dataset of the run through hftk's loader (``load_raw``), each split it reads checked as prompt rows.
     Several datasets mix as for supervised fine-tuning (:func:`hftk.data.dataset.split_and_mix`) when they share
     one format and the same columns (the reward functions read them)."""
-    from hftk.data.dataset import Source, load_raw, source_configs, with_default_weights
+    from hftk.data.dataset import Source, check_splits, load_raw, source_configs, with_default_weights
 
     sources = []
     for scfg, weight, field in source_configs(cfg):
         raw = load_raw(scfg)
-        if scfg.train_split not in raw:
-            raise HftkError("data.train_split", f"split '{scfg.train_split}' is not in {scfg.dataset}.",
-                            "set data.train_split to an existing split.")
-        splits = [s for s in (scfg.train_split, scfg.eval_split) if s]
-        if scfg.eval_split and scfg.eval_split not in raw:
-            raise HftkError("data.eval_split", f"split '{scfg.eval_split}' is not in {scfg.dataset}.",
-                            "set data.eval_split to an existing split, or leave it unset.")
+        splits = check_splits(scfg, raw)
         formats = {check_prompt_rows(raw[split], f"{scfg.dataset} ({split})", field) for split in splits}
         if len(formats) > 1:
             raise HftkError(field, f"{scfg.dataset}'s splits hold prompts of two formats.",
