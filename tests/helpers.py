@@ -97,38 +97,8 @@ def torchrun(nproc: int, script: Path | str, args: list[str], timeout: float = 3
     require_ranks(nproc * nnodes)
     if nnodes == 1 and extra in (None, [], ["-m"]) and not real:  # ["-m"]: ``script`` names a module
         program = [*(extra or []), str(script)]
-        output_dir = _new_output_dir(args, cwd or ROOT)
-
-        def launch() -> Launch:
-            return Launch(*warm.launch(program, args, nproc, timeout, env, cwd, launcher=nproc > 1))
-
-        result = launch()
-        crashed = _crashed_ranks(result, nproc)
-        if crashed and output_dir is not None:
-            warm.record_crash(program, args, crashed, result.output)
-            shutil.rmtree(output_dir, ignore_errors=True)
-            result = launch()
-        return result
+        return Launch(*warm.launch(program, args, nproc, timeout, env, cwd, launcher=nproc > 1))
     return run(torchrun_command(nproc, *(extra or []), str(script), *args, nnodes=nnodes), timeout, env, cwd)
-
-
-CRASH_SIGNALS = {-signal.SIGSEGV: "SIGSEGV", -signal.SIGBUS: "SIGBUS"}
-
-
-def _new_output_dir(args: list[str], cwd: Path) -> Path | None:
-    """The cell's ``--output_dir`` (relative to ``cwd``, where it runs) when it does not exist yet: a cell that
-    made it from nothing can be run again from nothing. None for a cell without one or one that resumes what is
-    there."""
-    if "--output_dir" not in args:
-        return None
-    path = cwd / str(args[args.index("--output_dir") + 1])
-    return None if path.exists() else path
-
-
-def _crashed_ranks(result: Launch, nproc: int) -> dict[int, str]:
-    """Ranks a memory-access signal ended (a warm launch's report; one process: its own status)."""
-    codes = rank_exit_codes(result) if nproc > 1 else {0: result.returncode}
-    return {rank: CRASH_SIGNALS[code] for rank, code in codes.items() if code in CRASH_SIGNALS}
 
 
 def rank_exit_codes(result: Launch) -> dict[int, int]:

@@ -133,8 +133,8 @@ def rank_main(request: dict[str, Any], rank: int, port: int, run_id: str, fds: l
     os.chdir(request["cwd"])
     for fd, target in zip(fds, (1, 2)):
         os.dup2(fd, target)
-    # A crashing rank leaves its Python stacks in the cell's output, through a descriptor of its own: hftk
-    # points fd 2 elsewhere while it starts or stops the profiler (core.output.kineto_markers_dropped).
+    # A crashing rank leaves its Python stacks in the cell's output, through a descriptor of its own (a
+    # filter that points fd 2 elsewhere for a while cannot swallow them).
     faulthandler.enable(os.fdopen(os.dup(2), "w"), all_threads=True)
     program, args = request["program"], request["args"]
     code: int = 1
@@ -335,29 +335,15 @@ def server_for(env: dict[str, str], plain: bool = False) -> Server:
     return _servers[key]
 
 
-CRASHES: list[str] = []  # what record_crash kept, for summary()
-
-
-def record_crash(program: list[str], args: list[str], ranks: dict[int, str], output: str) -> None:
-    """A cell whose rank died of SIGSEGV / SIGBUS, run once more by tests.helpers.torchrun: kept for the
-    summary with the stacks faulthandler printed, so a crash that a rerun passed is still seen and can be
-    traced (CI on 2026-12-05: a ddp cell's rank 0, in torch's profiler stop; see telemetry.rank_monitor)."""
-    stacks = output[output.find("Fatal Python error"):] if "Fatal Python error" in output else output[-1500:]
-    stacks = stacks.split("\nExtension modules:")[0]
-    CRASHES.append(f"warm cell crashed ({', '.join(f'rank {r}: {s}' for r, s in ranks.items())}) and was run "
-                    f"again: {' '.join(program)} {' '.join(map(str, args))}\n{stacks[:4000]}")
-
-
 def summary() -> list[str]:
-    """One line per server: how many cells it ran, and how its environment differs from the first's; then
-    every cell that crashed and was run again (:func:`record_crash`)."""
+    """One line per server: how many cells it ran, and how its environment differs from the first's."""
     servers = list(_servers.values())
     lines = []
     for i, server in enumerate(servers):
         differs = sorted(k for k in set(server.env) | set(servers[0].env) if server.env.get(k) != servers[0].env.get(k))
         lines.append(f"warm server {i}{' (plain)' if server.plain else ''}: {server.cells} cells"
                      + (f", environment differs in {', '.join(differs)}" if differs else ""))
-    return lines + CRASHES
+    return lines
 
 
 def shutdown() -> None:

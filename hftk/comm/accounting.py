@@ -15,7 +15,7 @@ flight (issue -> completion callback): overlapping collectives are not counted t
 wall time on gloo, whose futures complete when the data has arrived. NCCL futures complete once
 the work is ordered on the device's stream, so there the same intervals measure enqueueing, not
 transfer: they are logged under their own names (``comm_enqueue_time_s``, ``comm_enqueue_wait_s``)
-and ``comm_time_s`` is absent; the profiler (``hftk.telemetry.rank_monitor``'s communication share) times GPUs.
+and ``comm_time_s`` is absent: a GPU transfer time needs the profiler or Nsight.
 """
 
 from __future__ import annotations

@@ -36,8 +36,14 @@ def client(timeout: timedelta, agent_only: bool = True) -> Any | None:
 
 
 def run_key(name: str) -> str:
-    """``name`` scoped to this launch and restart (an elastic restart must not see the last attempt's keys)."""
-    return f"hftk/{name}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    """``name`` scoped to this launch; the same key on every rank of a round.
+
+    Not scoped by ``TORCHELASTIC_RESTART_COUNT``: that counts failures of one node's own workers, so after
+    another node's workers die the survivor re-forms the group as a membership change with count 0 while the
+    failed node's ranks have 1; keys differing across nodes left :meth:`FailureWatch.settle` waiting for ever
+    (the node-fault hang, issue 50). Rounds never meet each other's keys anyway: ``--max_restarts`` runs only
+    with a fresh store per round (:func:`hftk.engine.resilience.check_restartable`), rank 0's at MASTER_PORT."""
+    return f"hftk/{name}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
 
 
 @contextlib.contextmanager

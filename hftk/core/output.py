@@ -5,10 +5,9 @@ import), its "op built successfully" note and torch's deprecation warnings for t
 deprecation warning for the ``is_gradient_checkpointing`` alias TRL's trainers read (every rank), its
 weight-loading and shard-writing bars and three advisory warnings about choices hftk made on purpose,
 ``datasets``' map bars, the ``[INFO] Running in WANDB offline mode`` line every rank prints at import,
-wandb's run history tables, libkineto's profiler markers. :func:`quiet_libraries` turns each off at its
+wandb's run history tables. :func:`quiet_libraries` turns each off at its
 source with the library's own switch, once, before a run imports them; :func:`printed_lines_dropped`
-(DeepSpeed's note) and :func:`kineto_markers_dropped` filter the two that have no switch around the one
-call that prints them. Warnings that say something is wrong with a run stay, and ``--log_level info`` /
+filters DeepSpeed's note, which has no switch, around the one call that prints it. Warnings that say something is wrong with a run stay, and ``--log_level info`` /
 ``debug`` (the Trainer sets transformers' verbosity from it) brings the two dropped ones back.
 """
 
@@ -20,7 +19,6 @@ import logging
 import os
 import re
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterator
 
@@ -122,36 +120,6 @@ def printed_lines_dropped(pattern: re.Pattern[str]) -> Iterator[None]:
         if kept:
             sys.stdout.write(kept)
             sys.stdout.flush()
-
-
-# libkineto's marker line at every trace start and stop ("USDT:<date> <time> <pid>:<tid> <file>:<line>] profiler_start")
-KINETO_MARKER = re.compile(r"USDT:[^\n]*\] profiler_(start|stop)\n?\Z")
-
-
-@contextlib.contextmanager
-def kineto_markers_dropped() -> Iterator[None]:
-    """Start or stop a torch.profiler trace without libkineto's ``USDT: ... profiler_start`` /
-    ``profiler_stop`` lines on the user's screen.
-
-    libkineto writes them to the C++ stderr at every start and stop; their severity ranks above
-    ERROR, so ``KINETO_LOG_LEVEL`` cannot drop them without dropping kineto's errors too. So the
-    process's stderr goes to a file for the call, and every line but those two is written back."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as capture:
-        os.dup2(capture.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            capture.seek(0)
-            lines = capture.read().decode(errors="replace").splitlines(keepends=True)
-            kept = "".join(line for line in lines if not KINETO_MARKER.match(line))
-            if kept:
-                sys.stderr.write(kept)
-                sys.stderr.flush()
 
 
 def done_line(seconds: float, step: int, eval_loss: float | None, final: str, resumed_step: int | None,

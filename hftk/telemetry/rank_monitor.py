@@ -3,7 +3,8 @@
 :class:`RankMonitor` is plain (hftk's own loops call ``attach`` / ``step_begin`` / ``step_end``
 / ``collect``); :class:`RankMonitorCallback` drives it from the HF Trainer. The overhead stays
 small: a timestamp per gradient hook, one ``all_gather`` of a few floats per *logging* step,
-and one profiled step every ``profile_every`` steps for the communication share.
+and one step every ``comm_timing_every`` steps whose collectives are timed for the communication share
+(:mod:`hftk.telemetry.collectives`, not torch.profiler, whose stop could crash a rank).
 
 Why imbalance is judged on *compute* time and not on step time: in synchronous data parallel
 every rank waits for the slowest one at the gradient all-reduce (and at the Trainer's token
@@ -17,9 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hftk.comm.accounting import union_length
-from hftk.core.output import kineto_markers_dropped
+from hftk.telemetry.collectives import CollectiveTimer, measures_transfer
 from hftk.telemetry.memory import model_state_bytes
 from hftk.telemetry.metrics import append_jsonl
 
@@ -120,52 +119,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("/proc/self/status has no VmHWM line: peak RSS cannot be read on this OS")
 
 
-def other_threads_at_rest(timeout_s: float = 0.25, tasks: Path = Path("/proc/self/task")) -> bool:
-    """Wait (at most ``timeout_s``) until no other thread of this process is running or runnable; False if
-    one still was. torch.profiler's stop races the threads that record into it: gloo's workers mark a
-    collective's future complete, which lets the step go on, before they end its ``gloo:`` record, and a
-    worker preempted in between while the profiler stops crashed a rank (SIGSEGV in ``_disable_profiler``,
-    about one 2-rank run in 170 on a loaded 2-core host; torch fixed the same race for global callbacks only,
-    pytorch#187483). A worker back at rest (sleeping for its next collective) has ended its record.
-    Where threads cannot be read (not Linux), returns True at once."""
-    me = str(threading.get_native_id())
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            busy = [t for t in os.listdir(tasks) if t != me and _thread_state(tasks / t) == "R"]
-        except OSError:
-            return True
-        if not busy:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-
-
-def _thread_state(task: Path) -> str:
-    """A thread's scheduler state letter from ``/proc/.../stat`` (after its name, which may hold spaces or
-    parentheses); "" for a thread that has just exited."""
-    try:
-        stat = (task / "stat").read_text()
-    except OSError:
-        return ""
-    return stat[stat.rindex(")") + 2]
-
-
-def comm_intervals(events: Any) -> list[tuple[int, int]]:
-    """(start, end) in nanoseconds of collective work: gloo ops on CPU, NCCL kernels on GPU.
-
-    ``events`` are the profiler's raw kineto events (``prof.profiler.kineto_results.events()``):
-    reading them takes milliseconds, where ``prof.events()`` builds a tree for 0.1-0.8 s.
-    """
-    spans = []
-    for event in events:
-        name, on_gpu = event.name(), event.device_type() == torch.autograd.DeviceType.CUDA
-        if (on_gpu and "nccl" in name.lower()) or (not on_gpu and name.startswith("gloo:")):
-            spans.append((event.start_ns(), event.start_ns() + event.duration_ns()))
-    return spans
-
-
 FIELDS = ("step_time_s", "compute_time_s", "cpu_time_s", "peak_mem_mb", "tensor_mb", "comm_share")
 
 
@@ -186,13 +139,14 @@ class Window:
 class RankMonitor:
     """One rank's timings and memory; ``collect`` gathers every rank's to rank 0.
 
-    All ranks must call ``collect`` at the same points (it is one collective). ``profile_every``
-    > 0 profiles step 3 (past warm-up) and then every ``profile_every``-th step.
+    All ranks must call ``collect`` at the same points (it is one collective). ``comm_timing_every``
+    > 0 times the collectives of step 3 (past warm-up) and then of every ``comm_timing_every``-th step, where
+    the backend's futures time transfers (gloo; not NCCL's, which complete at enqueue).
     """
 
     device: torch.device
     imbalance_threshold: float = 0.2
-    profile_every: int = 0
+    comm_timing_every: int = 0
     window: Window = field(default_factory=Window)
     _hooks: list[Any] = field(default_factory=list)
     _fwd_start: Any = None
@@ -200,8 +154,8 @@ class RankMonitor:
     _step_computed: bool = False
     _last_end: tuple[float, float] | None = None
     _begin: tuple[float, float] = (0.0, 0.0)
-    _profiler: Any = None
-    _profiled: tuple[Any, float] | None = None
+    _timer: CollectiveTimer | None = None
+    _timed: tuple[CollectiveTimer, float] | None = None  # the timed step's collectives and its wall time
     _peak_resettable: bool = True
     _windows_peak: int = 0  # the highest peak of the collected windows (collect resets the counter)
     _warned_unmeasured: bool = False
@@ -255,12 +209,9 @@ class RankMonitor:
         """``step``: 1-based number of the optimizer step about to run."""
         self._step_computed = False
         self._step_segments_from = len(self.window.segments)
-        if self.profile_every > 0 and (step == 3 or step % self.profile_every == 0):
-            self._sync()
-            cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
-            self._profiler = torch.profiler.profile(activities=[cpu, cuda] if self.device.type == "cuda" else [cpu])
-            with kineto_markers_dropped():
-                self._profiler.__enter__()
+        if self.comm_timing_every > 0 and measures_transfer(self.device) and (step == 3 or step % self.comm_timing_every == 0):
+            self._timer = CollectiveTimer()
+            self._timer.__enter__()
         self._begin = (time.perf_counter(), time.process_time())
         if self._last_end is None:
             self._last_end = self._begin
@@ -280,28 +231,18 @@ class RankMonitor:
             w.excluded_steps += 1
         else:
             w.computed_steps += int(self._step_computed)
-        if self._profiler is not None:
-            self._sync()
-            self._profiled = (self._profiler, time.perf_counter() - self._begin[0])
-            other_threads_at_rest()
-            with kineto_markers_dropped():
-                self._profiler.__exit__(None, None, None)
-            self._profiler = None
-            now = (time.perf_counter(), time.process_time())  # stopping the profiler is not the next step's work
+        if self._timer is not None:
+            self._timer.__exit__(None, None, None)
+            self._timed = (self._timer, now[0] - self._begin[0])
+            self._timer = None
         self._last_end = now
 
-    def _read_profile(self) -> None:
-        """Comm share of the profiled step. Parsing the trace takes a while: it is done at collect time
-        and kept out of the step-time windows of this monitor and of the Trainer's throughput callback."""
-        if self._profiled is None:
-            return
-        start = (time.perf_counter(), time.process_time())
-        profiler, wall = self._profiled
-        self.window.comm_share = union_length(comm_intervals(profiler.profiler.kineto_results.events())) / 1e9 / wall
-        self._profiled = None
-        if self._last_end is not None:
-            spent = (time.perf_counter() - start[0], time.process_time() - start[1])
-            self._last_end = (self._last_end[0] + spent[0], self._last_end[1] + spent[1])
+    def _read_timed_step(self) -> None:
+        """Comm share of the timed step: the time some collective was in flight over the step's wall time."""
+        if self._timed is not None:
+            timer, wall = self._timed
+            self.window.comm_share = union_length(timer.spans) / wall
+            self._timed = None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -325,7 +266,7 @@ class RankMonitor:
     def collect(self, model: torch.nn.Module | None = None, optimizer: Any = None) -> RankSummary | None:
         """Gather every rank's window to rank 0 (one all_gather) and start a new window; returns the summary
         on rank 0, None on the other ranks."""
-        self._read_profile()
+        self._read_timed_step()
         rows = gather_rows(self.local_stats(model, optimizer), self.device)
         measured_any = self.window.steps > self.window.excluded_steps
         self.window = Window()

@@ -22,8 +22,6 @@ def test_readme_main_command_trains_two_ranks(tmp_path):
     project = doc_project(tmp_path / "project")
     result = run(shlex.split(main.split(" && ", 1)[1]), timeout=600, cwd=project)  # .venv/bin/accelerate launch ...
     assert result.returncode == 0, result.output[-5000:]
-    # the profiled steps (3 and every 50th) leave no libkineto marker lines between the progress updates
-    assert "profiler_start" not in result.output and "profiler_stop" not in result.output
     assert not noise_in(result.output), noise_in(result.output)  # nor the libraries' notices (hftk.core.output)
     last = result.stderr.strip().splitlines()[-1]  # what was made, and what a rerun does
     assert re.match(r"hftk: done: step \d+ in \d+ s, eval loss [\d.]+, perplexity [\d.]+; the model is in "
