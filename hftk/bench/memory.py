@@ -26,6 +26,8 @@ from typing import Any
 
 from hftk.bench.charts import figure, finish, save
 from hftk.bench.launch import BENCH_TRAIN_ARGS, threads_per_rank, torchrun_module
+from hftk.bench.loss import markdown_rows as loss_rows
+from hftk.bench.loss import run_loss_rows
 from hftk.bench.report import markdown_table
 from hftk.core import allocator
 from hftk.core.errors import HftkError
@@ -49,6 +51,9 @@ OPTION_HELP = {
                   "FSDP2 over the rest, 4 ranks or more; cp: ring-attention context parallel over all ranks)",
     "lora_r": "also run every strategy with LoRA adapters of this rank (row 'STRATEGY lora'; 0: full fine-tuning only)",
     "load_in_4bit": "with lora_r: also run every strategy on a 4-bit (nf4, double-quantized) base (row 'STRATEGY qlora')",
+    "loss_vocab": "also measure the loss, plain against chunked, on one rank of a Qwen2-shaped model with this "
+                  "vocabulary (e.g. 151936; 0: off), beside a 2,048-token twin as the baseline",
+    "loss_tokens": "comma-separated sequence lengths of the loss rows (default 2048,8192)",
     "dpo": "also run every strategy that trains DPO with --method dpo (row 'STRATEGY dpo'): its reference model "
            "counted and planned, its peak against the same strategy's supervised run",
 }
@@ -83,15 +88,16 @@ def preference_pairs(path: Path, block_size: int) -> Path:
 def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, block_size: int = 64,
                      micro_batch: int = 2, steps: int = 3, strategies: tuple[str, ...] = PLAN_STRATEGIES,
                      train_args: list[str] | None = None, timeout: float = 900, lora_r: int = 0,
-                     load_in_4bit: bool = False, dpo: bool = False) -> dict[str, Any]:
-    """Run every strategy once at ``nproc`` ranks (and with LoRA / QLoRA / DPO when asked); write ``memory.md``,
-    ``memory.png`` and ``memory.json``."""
+                     load_in_4bit: bool = False, dpo: bool = False, loss_vocab: int = 0,
+                     loss_tokens: list[int] | None = None) -> dict[str, Any]:
+    """Run every strategy once at ``nproc`` ranks (and with LoRA / QLoRA / DPO when asked, and the loss rows of
+    :mod:`hftk.bench.loss` with ``loss_vocab``); write ``memory.md``, ``memory.png`` and ``memory.json``."""
     from hftk.config.support import DPO_STRATEGIES
 
     out_dir = Path(out_dir)
     argv = [*BENCH_TRAIN_ARGS, "--model_name_or_path", model, "--block_size", str(block_size),
             "--per_device_train_batch_size", str(micro_batch), "--max_steps", str(steps),
-            "--comm_profile_steps", "0", *(train_args or [])]  # the profiler's own memory would count
+            "--comm_profile_steps", "0", *(train_args or [])]  # the timed step's span lists would count
     runs: dict[str, Any] = {}
     load_before = list(os.getloadavg())
     pairs = preference_pairs(out_dir / "pairs.jsonl", block_size) if dpo else None
@@ -121,6 +127,9 @@ def run_memory_bench(out_dir: Path, nproc: int = 2, model: str = DEFAULT_MODEL, 
             sft = runs[name.removesuffix(" dpo")]
             run["peak_vs_sft"] = run["peak_mib"] / sft["peak_mib"]
             run["step_time_vs_sft"] = run["step_time_s"] / sft["step_time_s"]
+    if loss_vocab:
+        result["loss"] = run_loss_rows(out_dir, BENCH_TRAIN_ARGS + ["--comm_profile_steps", "0"], loss_vocab,
+                                       tuple(loss_tokens or (2048, 8192)), steps, timeout, predict, step_time)
     result["plan_within_target"] = {s: abs(r["plan_peak_error"]) <= PLAN_TARGET for s, r in runs.items()}
     result["plan_model_state_within_10pct"] = {s: abs(r["plan_model_state_error"]) <= 0.1 for s, r in runs.items()}
     finish(result, table, chart, out_dir / "memory.png")
@@ -231,5 +240,6 @@ def chart(result: dict[str, Any], path: Path) -> str:
 def markdown(result: dict[str, Any]) -> str:
     load = ", ".join(f"{v:.1f}" for v in result["loadavg_before"])
     allocated = " ".join(f"{k}={v}" for k, v in result["allocator"].items())
-    return "\n".join([*markdown_table(result["table"]), f"Load average (1, 5, 15 min) before the runs: {load}. "
+    return "\n".join([*markdown_table(result["table"]), *(loss_rows(result["loss"]) if "loss" in result else []),
+                      f"Load average (1, 5, 15 min) before the runs: {load}. "
                       f"Allocator: {allocated}.", "", "![memory](memory.png)", ""])

@@ -62,6 +62,11 @@ class ModelConfig:
     model_dtype: str = _opt("float32", "dtype the weights are loaded in; mixed precision is training.bf16 / "
                             "training.fp16.", choices=["float32", "bfloat16", "float16"])
     attn_implementation: str | None = _opt(None, "Attention kernel: eager, sdpa, flash_attention_2 (None: transformers' choice).")
+    loss_implementation: str = _opt(
+        "auto", "How the causal-LM loss is computed: chunked (the head and the loss over a few hundred target tokens at "
+        "a time, each chunk checkpointed: no rank holds every token's logits; the Trainer engine: ddp, fsdp, ZeRO), "
+        "plain (the model's own loss over all its logits), auto (chunked where it runs, else plain; the start line "
+        "says which).", choices=["auto", "chunked", "plain"])
     model_dropout: float | None = _opt(
         None, "Override every dropout probability of the model config (0 for exact parity tests).")
     lora_r: int = _opt(0, "LoRA rank; 0 trains the full model.")
@@ -214,8 +219,9 @@ class TrackingConfig:
     check_sync_steps: int = _opt(
         0, "Every N optimizer steps, hash each rank's replicated parameters and log whether all replicas agree (ddp, "
         "ZeRO, each pipeline stage's replicas; refused under tp / cp / sp, whose shards have no replicas; 0: off).")
-    comm_profile_steps: int = _opt(50, "Profile step 3 and then every N-th optimizer step with torch.profiler to log "
-                                   "the communication share of the step (0: off).")
+    comm_profile_steps: int = _opt(
+        50, "Time the collectives of step 3 and then of every N-th optimizer step to log the communication share of "
+        "the step (gloo on CPU; not on CUDA, whose NCCL collectives report done when queued; 0: off).")
 
 
 @dataclass

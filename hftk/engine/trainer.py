@@ -28,6 +28,7 @@ from hftk.engine.resilience import StepGuard, guarded, step_guard
 from hftk.engine.run_types import PreparedRun
 from hftk.launch.guard import WorldGuard, check_world
 from hftk.models import lora, moe
+from hftk.models import loss as causal_loss
 from hftk.models.loading import fit_to_tokenizer, load_model, load_tokenizer
 from hftk.publish.hub import run_pusher
 from hftk.telemetry.memory import ModelStateCallback
@@ -177,6 +178,7 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     base = load_model(cfg.model, shardable=getattr(strategy, "SHARDS_PARAMETERS", False))
     new_tokens = fit_to_tokenizer(base, tokenizer, args.seed)  # chat markers added: before LoRA and sharding
     base = lora.apply(base, cfg, args, new_tokens)
+    install_loss(base, cfg, args.process_index == 0)  # after LoRA (an adapter on the head counts), before sharding
     # The Trainer sums the micro-batches of an accumulation window (their losses are normalised by the window's
     # tokens) and, when it averages tokens across devices, multiplies each rank's loss by the world size (its
     # gradients are averaged): the balancing loss's weight is divided by what it would be summed over.
@@ -201,6 +203,15 @@ def build_trainer(prepared: PreparedRun) -> tuple[Any, Any, Any]:
     add_samples(prepared, trainer)
     startup.mark("trainer")
     return trainer, strategy, data
+
+
+def install_loss(model: Any, cfg: Any, main: bool) -> None:
+    """The run's causal-LM loss (``model.loss_implementation``), said once at start."""
+    implementation = causal_loss.choose(cfg.model.loss_implementation, "trainer")
+    if implementation == "chunked":
+        causal_loss.install(model)
+    if main:
+        print(causal_loss.announce(implementation, causal_loss.vocab_size(model), "trainer"), flush=True)
 
 
 def count_flops_once(trainer: Any) -> None:

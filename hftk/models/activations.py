@@ -64,6 +64,8 @@ class SavedActivations:
     total: Fit  # everything autograd keeps, the loss's fp32 log-probabilities included
     checkpointed: Fit  # under activation checkpointing: what lies outside the blocks + every block's inputs
     largest_block: Fit  # what one block keeps: recomputed at once in backward under checkpointing
+    head_and_loss: Fit  # what the LM head, the logit transform and the loss keep (in total and checkpointed): the
+    #                     chunked loss (hftk.models.loss) keeps none of it, its chunks recompute their logits
 
 
 def trace_key(dtype_is_16bit: bool, attention: str) -> str:
@@ -83,7 +85,7 @@ def profile(model: torch.nn.Module, blocks: list[torch.nn.Module], window: int |
             fits = []
             for lengths in regimes:
                 points = [_trace(model, blocks, s, attention) for s in lengths]
-                fits.append([_fit(lengths, [p[i] for p in points]) for i in range(3)])
+                fits.append([_fit(lengths, [p[i] for p in points]) for i in range(4)])
             if window:
                 fits[0] = [Fit(f.alpha, f.gamma, window, beyond) for f, beyond in zip(*fits)]
             result[trace_key(half, attention)] = SavedActivations(*fits[0])
@@ -97,14 +99,16 @@ def _fit(lengths: tuple[int, int], values: list[int]) -> Fit:
     return Fit(alpha=v1 / s1 - gamma * s1, gamma=gamma)
 
 
-def _trace(model: torch.nn.Module, blocks: list[torch.nn.Module], seq_len: int, attention: str) -> tuple[int, int, int]:
-    """(total, checkpointed, largest block) bytes kept for backward by one sequence of ``seq_len``."""
+def _trace(model: torch.nn.Module, blocks: list[torch.nn.Module], seq_len: int, attention: str
+           ) -> tuple[int, int, int, int]:
+    """(total, checkpointed, largest block, head and loss) bytes kept for backward by one sequence of ``seq_len``."""
     # A storage's identity: meta tensors have no data pointer, so the StorageImpl address (``_cdata``) names it.
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     outside: dict[int, int] = {}
     block_inputs: dict[int, int] = {}
     per_block: list[dict[int, int]] = []
     current: list[dict[int, int] | None] = [None]  # the block being run, None outside every block
+    head_on: dict[int, int] = {}  # what is kept from the LM head's forward on (the last thing before the loss)
     # Every storage counted stays alive until the trace ends: a block input autograd does not keep would
     # otherwise be freed and its address reused by a later storage, which would then go uncounted.
     counted: list[torch.Tensor] = []
@@ -129,7 +133,11 @@ def _trace(model: torch.nn.Module, blocks: list[torch.nn.Module], seq_len: int, 
     def leave(*_: Any) -> None:
         current[0] = None
 
+    def head(*_: Any) -> None:
+        current[0] = head_on
+
     handles = [b.register_forward_pre_hook(enter, with_kwargs=True) for b in blocks]
+    handles.append(model.get_output_embeddings().register_forward_pre_hook(head))
     handles += [b.register_forward_hook(leave) for b in blocks]
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     previous = model.config._attn_implementation
@@ -142,9 +150,9 @@ def _trace(model: torch.nn.Module, blocks: list[torch.nn.Module], seq_len: int, 
         model.set_attn_implementation(previous)
         for h in handles:
             h.remove()
-    everything = {k: v for part in (outside, *per_block) for k, v in part.items()}
-    return (sum(everything.values()), sum({**outside, **block_inputs}.values()),
-            max((sum(b.values()) for b in per_block), default=0))
+    everything = {k: v for part in (outside, head_on, *per_block) for k, v in part.items()}
+    return (sum(everything.values()), sum({**outside, **head_on, **block_inputs}.values()),
+            max((sum(b.values()) for b in per_block), default=0), sum(v for k, v in head_on.items() if k not in outside))
 
 
 class _FlashOnMeta(TorchFunctionMode):

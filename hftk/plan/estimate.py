@@ -53,6 +53,8 @@ import torch
 from hftk.config import strategy_table
 from hftk.core.errors import HftkError
 from hftk.models.activations import profile, trace_key
+from hftk.models.loss import choose as choose_loss
+from hftk.models.loss import chunk_tokens
 from hftk.plan.types import (DTYPE_BYTES, GIB, HEADROOM, MAX_LIVE_PARAMETERS, MIB, RUNTIME_BYTES, SUB_GROUP_SIZE,
                              ModelShape, PlanInputs, StrategyPlan)
 
@@ -168,13 +170,17 @@ def _config_int(config: Any, *names: str) -> int:
 
 # ---- bytes per strategy ----
 
-def activation_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
+def activation_bytes(shape: ModelShape, inputs: PlanInputs, chunked_loss: bool = False) -> int:
     """One micro-batch's activations at their peak, early in backward: what its forward kept (traced,
     see :mod:`hftk.models.activations`; under activation checkpointing what lies outside the blocks plus
     every block's inputs), then the larger of two moments: the loss's fp32 gradients of the logits
     (two, plus their 16-bit cast under mixed precision) or a block's backward (recomputed whole under
     checkpointing; with eager attention plus the gradient of its probabilities). Within 10% of the
-    peak RSS of real CPU runs at 1024 tokens (``tests/integration/test_activations.py``)."""
+    peak RSS of real CPU runs at 1024 tokens (``tests/integration/test_activations.py``).
+
+    ``chunked_loss`` (:mod:`hftk.models.loss`): the head and the loss keep nothing, and the logits' moment is one
+    chunk's, whatever the tokens: its fp32 logits, their log-softmax and both gradients (plus the 16-bit logits
+    and their cast gradient under mixed precision)."""
     b, s = inputs.micro_batch * (2 if inputs.pairs else 1), inputs.seq_len
     half = inputs.mixed_precision != "no" or inputs.dtype != "float32"
     trace = shape.saved[trace_key(half, inputs.attention)]
@@ -182,6 +188,10 @@ def activation_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     block_backward = trace.largest_block.gamma * s**2  # eager: one layer's probabilities' gradient
     if inputs.gradient_checkpointing:
         block_backward += trace.largest_block.at(s)
+    if chunked_loss:
+        chunk = min(b * s, chunk_tokens(shape.vocab))
+        logits_moment = chunk * shape.vocab * (20 if half else 16)
+        return int(b * (kept - trace.head_and_loss.at(s)) + max(logits_moment, b * block_backward))
     logits_grads = s * shape.vocab * (10 if half else 8)
     return int(b * (kept + max(logits_grads, block_backward)))
 
@@ -232,7 +242,8 @@ def policy_estimate(strategy: str, shape: ModelShape, inputs: PlanInputs) -> Str
     n, p, t = inputs.world_size, shape.params, shape.trainable
     w = DTYPE_BYTES[inputs.dtype]
     half = inputs.mixed_precision != "no"
-    activations = activation_bytes(shape, inputs)
+    chunked = choose_loss(inputs.loss, strategy_table.spec(strategy).engine) == "chunked"
+    activations = activation_bytes(shape, inputs, chunked)
     runtime = RUNTIME_BYTES[inputs.device]
     if inputs.quant_bits:  # QLoRA: the stored base as bitsandbytes keeps it; adapters in fp32
         stored, constants = quantized_base_bytes(shape, inputs)
@@ -356,6 +367,7 @@ def inputs_from_config(cfg: Any, world_size: int, budget: int) -> PlanInputs:
         mixed_precision="bf16" if t.get("bf16") else "fp16" if t.get("fp16") else "no",
         gradient_checkpointing=bool(t.get("gradient_checkpointing")), device="gpu" if on_gpu else "cpu",
         attention=cfg.model.attn_implementation or "sdpa", ep_size=max(cfg.strategy.ep_size, 0),
+        loss=cfg.model.loss_implementation if cfg.preference.method == "sft" else "plain",
         **quantization_inputs(cfg.model.load_in_4bit, cfg.model.load_in_8bit, cfg.model.bnb_4bit_use_double_quant,
                               str(cfg.args.optim)),
     )
@@ -499,6 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward")
     p.add_argument("--attn_implementation", default="sdpa", help="model.attn_implementation of the run: eager keeps "
                    "every layer's (b, heads, s, s) probabilities; sdpa / flash_attention_2 keep none")
+    p.add_argument("--loss_implementation", choices=["auto", "chunked", "plain"], default="auto",
+                   help="model.loss_implementation of the run: chunked holds one chunk's logits, plain every token's "
+                   "(auto: chunked on the Trainer's strategies; DPO / GRPO: plain)")
     p.add_argument("--tp_size", type=_positive(int), default=1, help="also show tensor parallel of this degree "
                    "(FSDP2 over the other ranks; strategy tp)")
     p.add_argument("--sp_size", type=_positive(int), default=1, help="also show Ulysses sequence parallel of this "
@@ -569,6 +584,7 @@ def plan_command(argv: list[str]) -> int:
                         mixed_precision=args.mixed_precision, gradient_checkpointing=args.gradient_checkpointing,
                         attention=args.attn_implementation, device=device, ep_size=args.ep_size or 0,
                         pairs=args.method == "dpo", reference=held, **quant,
+                        loss=args.loss_implementation if args.method == "sft" else "plain",
                         reference_params=reference_params(model_cfg, named) if held and named else None)
     shape = model_shape(model_config, args.lora_r, args.lora_target_modules)
     plans = plan(shape, inputs, QUANT_STRATEGIES if inputs.quant_bits else None)

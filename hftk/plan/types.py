@@ -76,6 +76,7 @@ class PlanInputs:
     rollout_rows: int = 0  # GRPO: the completions a rank generates at once (per-device batch x steps per generation)
     rollout_tokens: int = 0  # GRPO: the longest prompt + max_completion_length (the KV cache's length)
     ep_size: int = 0  # expert parallel: ranks each MoE layer's experts are split over (0: the world size)
+    loss: str = "auto"  # model.loss_implementation (DPO / GRPO: "plain", TRL's log-probs); auto: chunked on the Trainer
 
 
 @dataclass

@@ -49,6 +49,7 @@ def prepare(argv: list[str] | None = None, read_tokenized: bool = True) -> Prepa
     support.check_method(cfg.strategy.strategy, cfg.preference.method, cfg.model.lora_r,
                          cfg.preference.precompute_ref_log_probs, quantized_field(cfg.model))
     strategy_table.get(cfg.strategy.strategy).validate(cfg, world_size)
+    validate.check_loss(cfg)
     validate.check_samples(cfg, model_config)  # the prompt file's rows, with the run's tokenizer and template
     if read_tokenized and cfg.data.tokenized_path:
         from hftk.run import preprocess

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from hftk.comm.register import validate as check_compression
-from hftk.config import support
+from hftk.config import strategy_table, support
 from hftk.config.options import RunConfig
 from hftk.core.errors import HftkError
 from hftk.engine.resilience import check_restartable
@@ -208,6 +208,19 @@ def _check_prompts(cfg: RunConfig, model_config: Any, prompts: list[Any], field:
             raise HftkError(field, f"{what} {number} has {length} tokens; with {new} new tokens "
                             f"(samples.sample_max_new_tokens) that exceeds the model's context length {limit}.",
                             "shorten it, or lower --sample_max_new_tokens.")
+
+
+def check_loss(cfg: RunConfig) -> None:
+    """``model.loss_implementation chunked`` only where it runs: SFT on the Trainer engine (after ``auto`` chose the
+    strategy). The custom loop computes its loss on the model's logits; DPO and GRPO take TRL's log-probs."""
+    if cfg.model.loss_implementation != "chunked":
+        return
+    engine = strategy_table.spec(cfg.strategy.strategy).engine
+    if engine != "trainer" or cfg.preference.method != "sft":
+        where = f"--strategy {cfg.strategy.strategy}" if engine != "trainer" else f"--method {cfg.preference.method}"
+        raise HftkError("model.loss_implementation", f"chunked runs on the Trainer engine's SFT loss (ddp, fsdp, "
+                        f"ZeRO), not under {where}, whose loss is computed elsewhere.",
+                        "drop --loss_implementation (auto says which loss runs) or use a Trainer strategy.")
 
 
 def check_config(cfg: RunConfig) -> None:
@@ -408,7 +421,6 @@ def check_world_change(cfg: RunConfig, folder: Path, world_size: int) -> None:
     continue exactly when the global batch is kept (the Trainer then skips the same samples); every other
     format holds one piece per rank, which a resume would load in part: refused."""
     from hftk.checkpoint.atomic import saved_world
-    from hftk.config import strategy_table
     from hftk.strategies.parallel_dims import parallel_dims
 
     saved, global_batch = saved_world(folder)

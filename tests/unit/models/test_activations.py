@@ -151,6 +151,10 @@ def test_a_block_input_autograd_drops_is_counted_however_addresses_are_reused():
             super().__init__()
             self.embed = torch.nn.Embedding(8, 4)
             self.blocks = torch.nn.ModuleList(Block() for _ in range(64))
+            self.head = torch.nn.Identity()
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.head
 
         def set_attn_implementation(self, name: str) -> None:
             self.config._attn_implementation = name
@@ -160,10 +164,11 @@ def test_a_block_input_autograd_drops_is_counted_however_addresses_are_reused():
             for block in self.blocks:
                 hidden = block(hidden)
                 torch.empty_like(hidden)  # a short-lived storage after each block, allocated where a dead input was
-            return hidden.exp()  # saves its output: the one storage kept outside the blocks
+            return self.head(hidden).exp()  # saves its output: the one storage kept outside the blocks, by the loss
 
     model = Toy().to("meta")
-    total, checkpointed, _ = _trace(model, list(model.blocks), 16, "eager")
+    total, checkpointed, _, head_and_loss = _trace(model, list(model.blocks), 16, "eager")
     ids, sequence = 16 * 8, 16 * 4 * 4  # the embedding keeps the ids; one (1, 16, 4) fp32 activation
     assert total == ids + sequence  # and exp's output
     assert checkpointed == ids + 65 * sequence  # plus 64 distinct block inputs
+    assert head_and_loss == sequence  # what the chunked loss keeps none of

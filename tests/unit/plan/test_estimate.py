@@ -418,8 +418,10 @@ def test_hftk_plan_counts_a_mixture_of_experts_total_and_active(tmp_path, capsys
     assert shape.active == shape.params - shape.experts + 6 * per_layer * 8 // 128
     # expert parallel: fsdp's sharded state, but a block's gather holds 1/8 of its experts; tried before fsdp
     inputs = PlanInputs(world_size=8, device_memory_bytes=36 * GIB, seq_len=4096, micro_batch=1,
-                        mixed_precision="bf16")
+                        mixed_precision="bf16", loss="plain")  # the same loss under both: ep's loop has no chunked
     rows = {p.strategy: p for p in plan(shape, inputs)}
+    chunked = {p.strategy: p for p in plan(shape, dataclasses.replace(inputs, loss="auto"))}
+    assert chunked["fsdp"].activations < rows["fsdp"].activations and chunked["ep"] == rows["ep"]
     assert list(rows) == ["ddp", "zero1", "zero2", "ep", "fsdp", "zero3", "zero3_offload"]
     assert rows["ep"].model_state == rows["fsdp"].model_state and rows["ep"].activations == rows["fsdp"].activations
     gathered = 2 * 2 * (shape.largest_block - shape.largest_block_experts * 7 // 8)  # bf16, in use + prefetched
