@@ -473,6 +473,10 @@ def _size(n: int) -> str:
 
 # ---- hftk plan ----
 
+def _seq_len(text: str) -> int | str:
+    return "max" if text == "max" else _positive(int)(text)
+
+
 def _positive(kind: type) -> Any:
     def parse(text: str) -> Any:
         try:
@@ -495,7 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust_remote_code", action="store_true", help="run code shipped with a Hub model's config")
     p.add_argument("--world_size", type=_positive(int), help="ranks (processes) in the run (required)")
     p.add_argument("--device_memory", type=_positive(float), help="memory per rank, GiB (required)")
-    p.add_argument("--seq_len", type=_positive(int), default=128, help="tokens per sequence (data.block_size)")
+    p.add_argument("--seq_len", type=_seq_len, default=128, help="tokens per sequence (data.block_size); max: print "
+                   "each strategy's longest sequence that fits instead")
     p.add_argument("--micro_batch", type=_positive(int), default=8, help="sequences per rank per step")
     p.add_argument("--lora_r", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
     p.add_argument("--lora_target_modules", default=None,
@@ -572,8 +577,12 @@ def plan_command(argv: list[str]) -> int:
     grpo = args.method == "grpo"
     held = reference_held(args.method, args.lora_r, args.precompute_ref_log_probs, named) or \
         (grpo and args.beta > 0 and not args.lora_r)
-    tokens = args.seq_len + (args.max_completion_length if grpo else 0)
+    longest = args.seq_len == "max"
+    if longest and grpo:
+        raise HftkError("--seq_len", "max plans supervised and DPO runs (GRPO's length is the prompt's plus "
+                        "--max_completion_length).", "give --seq_len the longest prompt's tokens.")
     limit = context_length(model_config)
+    tokens = (limit or 128) if longest else args.seq_len + (args.max_completion_length if grpo else 0)
     if limit is not None and tokens > limit:
         raise HftkError("--seq_len", f"{tokens} tokens" + (" (with --max_completion_length)" if grpo else "") +
                         f" exceed the model's context length {limit}.", f"use at most {limit} tokens.")
@@ -587,6 +596,10 @@ def plan_command(argv: list[str]) -> int:
                         loss=args.loss_implementation if args.method == "sft" else "plain",
                         reference_params=reference_params(model_cfg, named) if held and named else None)
     shape = model_shape(model_config, args.lora_r, args.lora_target_modules)
+    if longest:
+        print(format_longest(shape, inputs, QUANT_STRATEGIES if inputs.quant_bits else plan_strategies(shape),
+                             limit or MAX_SEARCHED_TOKENS))
+        return 0
     plans = plan(shape, inputs, QUANT_STRATEGIES if inputs.quant_bits else None)
     chosen = pick(plans)
     if not inputs.quant_bits:  # tp / cp / sp train no LoRA, so no quantized base
@@ -598,6 +611,40 @@ def plan_command(argv: list[str]) -> int:
         return 0
     print(format_table(shape, inputs, plans, chosen))
     return 0
+
+
+MAX_SEARCHED_TOKENS = 2**20  # --seq_len max of a model whose config names no context length
+
+
+def longest_fitting(strategy: str, shape: ModelShape, inputs: PlanInputs, limit: int) -> int:
+    """The longest sequence (at most ``limit``) whose plan fits the budget with headroom; 0 when none does. Every
+    term grows with the length, so a bisection finds it."""
+    budget = inputs.device_memory_bytes * (1 - HEADROOM)
+
+    def fits(tokens: int) -> bool:
+        row = estimate(strategy, shape, dataclasses.replace(inputs, seq_len=tokens))
+        return row.refused is None and row.device_total <= budget
+
+    low, high = 0, limit
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
+def format_longest(shape: ModelShape, inputs: PlanInputs, strategies: tuple[str, ...], limit: int) -> str:
+    """``hftk plan --seq_len max``: per strategy, the longest sequence that fits (the loss as the run computes it)."""
+    budget = inputs.device_memory_bytes * (1 - HEADROOM)
+    lines = [f"{shape.params / 1e6:.1f}M parameters, world size {inputs.world_size}, micro-batch {inputs.micro_batch}, "
+             f"{inputs.dtype}{'' if inputs.mixed_precision == 'no' else ' + ' + inputs.mixed_precision}, loss "
+             f"{inputs.loss}: the longest sequence that fits {budget / GIB:.2f} GiB per rank ({HEADROOM:.0%} headroom "
+             f"kept; the model's context: {limit:,} tokens)", ""]
+    for strategy in strategies:
+        tokens = longest_fitting(strategy, shape, inputs, limit)
+        loss = choose_loss(inputs.loss, strategy_table.spec(strategy).engine)
+        capped = " (the model's context length)" if tokens == limit else ""
+        lines.append(f"{strategy:<14} {f'{tokens:,} tokens' if tokens else 'none fits'} ({loss} loss){capped}")
+    return "\n".join(lines)
 
 
 def _rollouts(inputs: PlanInputs) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -429,3 +430,28 @@ def test_hftk_plan_counts_a_mixture_of_experts_total_and_active(tmp_path, capsys
     assert pick(list(rows.values())).strategy == "ep"  # ddp and ZeRO-1/2 hold whole experts: over 80% of 36 GiB
     four = {p.strategy: p for p in plan(shape, dataclasses.replace(inputs, ep_size=3))}
     assert four["ep"].refused == "ep_size 3 must divide the world size 8 and the 128 experts of each MoE layer"
+
+
+def test_hftk_plan_seq_len_max_finds_each_strategys_longest_fitting_sequence(tmp_path, capsys):
+    """At a 151,936-token vocabulary the chunked loss fits longer sequences than the plain one; each length found
+    fits the budget and one token more does not (or it is the model's context length)."""
+    from transformers import AutoConfig
+
+    from hftk.plan.estimate import longest_fitting, model_shape, plan_command
+
+    AutoConfig.for_model("qwen2", vocab_size=151936, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32768).save_pretrained(tmp_path)
+    found = {}
+    for loss in ("plain", "chunked"):
+        assert plan_command(["--model", str(tmp_path), "--world_size", "2", "--device_memory", "6", "--seq_len", "max",
+                             "--micro_batch", "1", "--loss_implementation", loss]) == 0
+        out = capsys.readouterr().out
+        found[loss] = int(re.search(r"^ddp +([\d,]+) tokens", out, re.M).group(1).replace(",", ""))
+    assert 0 < found["plain"] < found["chunked"] / 2
+    shape = model_shape(AutoConfig.from_pretrained(tmp_path))
+    inputs = PlanInputs(world_size=2, device_memory_bytes=6 * GIB, micro_batch=1, loss="plain", device="cpu")
+    tokens = longest_fitting("ddp", shape, inputs, 32768)
+    budget = 6 * GIB * (1 - HEADROOM)
+    assert estimate("ddp", shape, dataclasses.replace(inputs, seq_len=tokens)).device_total <= budget
+    assert estimate("ddp", shape, dataclasses.replace(inputs, seq_len=tokens + 1)).device_total > budget
