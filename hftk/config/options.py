@@ -66,7 +66,7 @@ class ModelConfig:
         "auto", "How the causal-LM loss is computed: chunked (the head and the loss over a few hundred target tokens at "
         "a time, each chunk checkpointed: no rank holds every token's logits; the Trainer engine: ddp, fsdp, ZeRO), "
         "plain (the model's own loss over all its logits), auto (chunked where it runs, else plain; the start line "
-        "says which).", choices=["auto", "chunked", "plain"])
+        "says which). DPO and GRPO: TRL's own chunked log-probs.", choices=["auto", "chunked", "plain"])
     model_dropout: float | None = _opt(
         None, "Override every dropout probability of the model config (0 for exact parity tests).")
     lora_r: int = _opt(0, "LoRA rank; 0 trains the full model.")

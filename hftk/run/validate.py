@@ -212,14 +212,17 @@ def _check_prompts(cfg: RunConfig, model_config: Any, prompts: list[Any], field:
 
 def check_loss(cfg: RunConfig) -> None:
     """``model.loss_implementation chunked`` only where it runs: SFT on the Trainer engine (after ``auto`` chose the
-    strategy). The custom loop computes its loss on the model's logits; DPO and GRPO take TRL's log-probs."""
+    strategy). The custom loop computes its loss on the model's logits; DPO and GRPO take TRL's own chunked
+    log-probs (its ``add_fused_lm_head``)."""
     if cfg.model.loss_implementation != "chunked":
         return
     engine = strategy_table.spec(cfg.strategy.strategy).engine
     if engine != "trainer" or cfg.preference.method != "sft":
         where = f"--strategy {cfg.strategy.strategy}" if engine != "trainer" else f"--method {cfg.preference.method}"
+        whose = "TRL computes its log-probs in chunks itself" if engine == "trainer" else "the custom loop computes " \
+            "its loss on the model's logits"
         raise HftkError("model.loss_implementation", f"chunked runs on the Trainer engine's SFT loss (ddp, fsdp, "
-                        f"ZeRO), not under {where}, whose loss is computed elsewhere.",
+                        f"ZeRO), not under {where}: {whose}.",
                         "drop --loss_implementation (auto says which loss runs) or use a Trainer strategy.")
 
 
