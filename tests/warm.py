@@ -32,6 +32,7 @@ import faulthandler
 import gc
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -237,13 +238,29 @@ def supervise(conn: socket.socket, request: dict[str, Any], fds: list[int], key:
                     os.kill(other, signal.SIGTERM)
     failed = {rank: code for rank, code in sorted(codes.items()) if code != 0}
     if failed and request["launcher"]:
-        os.write(fds[1], f"{FAILED_RANKS} {json.dumps(failed)}\n".encode())
+        os.write(fds[1], f"{FAILED_RANKS} {json.dumps(failed)}\n{last_words(fds)}".encode())
         returncode = 1  # torchrun's status when a worker failed
     else:
         returncode = next(iter(failed.values()), 0)
     del store
     conn.sendall(json.dumps({"returncode": returncode}).encode() + b"\n")
     os._exit(0)
+
+
+LAST_WORDS = "warm launch: what the failed ranks left (a signal's stacks first, then the last tracebacks):"
+LAST_WORDS_CHARS = 4000  # within the 6,000-character tails the tests print on failure
+
+
+def last_words(fds: list[int]) -> str:
+    """The failed ranks' own last words, repeated after the ranks' exit codes: faulthandler's stacks of a rank a
+    signal ended, then the last two Python tracebacks, so a tail of the mixed output still holds them."""
+    text = "".join(os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace") for fd in fds)
+    fatal = [block.strip()[:2000] for block in re.findall(r"Fatal Python error:.*?(?=\nExtension modules:|\Z)", text, re.S)]
+    tracebacks = [block.strip() for block in re.findall(r"Traceback \(most recent call last\):.*?\n(?=\S)[^\n]*",
+                                                          text, re.S)][-2:]
+    if not fatal and not tracebacks:
+        return ""
+    return f"{LAST_WORDS}\n" + "\n".join([*fatal, *tracebacks])[-LAST_WORDS_CHARS:] + "\n"
 
 
 def _client_gone(conn: socket.socket) -> bool:

@@ -67,22 +67,31 @@ def test_a_hung_or_crashed_cell_is_killed_with_its_ranks_and_the_next_cell_runs(
 CRASHING_CELL = '''
 import ctypes, os, sys
 from pathlib import Path
+import signal, time
 runs_file = Path(sys.argv[1])
 if os.environ["RANK"] == "0":
     runs_file.write_text(runs_file.read_text() + "run\\n" if runs_file.exists() else "run\\n")
+    time.sleep(0.5)
     ctypes.string_at(0)  # a real SIGSEGV, as a library's bug raises it
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 1 outlives rank 0 and buries its stacks in later output
+time.sleep(1.5)
+for i in range(200):
+    print("rank 1 goes on", "." * 80, flush=True)
 '''
 
 
 def test_a_cell_whose_rank_segfaults_fails_once_with_the_signal_and_its_stacks(tmp_path):
     """A rank killed by SIGSEGV fails its cell, which runs once: no rerun hides it, and the output says which
-    rank, which signal, and where (faulthandler's stacks), so the cause can be found from one failure."""
+    rank, which signal, and where (faulthandler's stacks, repeated after the exit codes: the tail a failing test
+    prints holds them even when another rank wrote on), so the cause can be found from one failure."""
     script, runs_file = tmp_path / "crashing_cell.py", tmp_path / "runs"
     script.write_text(CRASHING_CELL)
     result = torchrun(2, script, [runs_file], timeout=120)
     assert result.returncode == 1 and rank_exit_codes(result)[0] == -signal.SIGSEGV, result.output
     assert runs_file.read_text().splitlines() == ["run"]
     assert "Fatal Python error: Segmentation fault" in result.output and "crashing_cell.py" in result.output
+    tail = result.output[-6000:]  # what a failing test prints: the dead rank's stacks are still there
+    assert warm.LAST_WORDS in tail and "crashing_cell.py" in tail.split(warm.LAST_WORDS)[1], tail
 
 
 WANDB_CELL = '''
