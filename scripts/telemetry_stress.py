@@ -22,11 +22,13 @@ def rank(rank: int, store: str, strategy: str, steps: int) -> None:
     import torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from hftk.core.teardown import exit_without_teardown
     from hftk.telemetry.rank_monitor import RankMonitor
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, bos_token_id=0, eos_token_id=0, n_embd=32, n_layer=2, n_head=2, n_positions=64))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, bos_token_id=0, eos_token_id=0, n_embd=32, n_layer=2, n_head=2,
+                                       n_positions=64))
     if strategy == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
@@ -49,6 +51,10 @@ def rank(rank: int, store: str, strategy: str, steps: int) -> None:
         if summary is not None and not 0 < summary.scalars.get("comm_share", 0) < 1:
             raise SystemExit(f"step {step}: comm_share {summary.scalars.get('comm_share')} not in (0, 1)")
     dist.destroy_process_group()
+    # As every hftk worker leaves (hftk.core.teardown): a DDP reducer freed later still holds the gloo group, whose
+    # destructor joins gloo's threads with the GIL held while one of them frees a finished work's tensors and waits
+    # for the GIL (a deadlock seen here in the third run under load; py-spy: ~ProcessGroupGloo, ~AsyncAllgatherWork).
+    exit_without_teardown(0)
 
 
 def main() -> int:
@@ -71,6 +77,8 @@ def main() -> int:
             except Exception as exc:  # torch's ProcessRaisedException / ProcessExitedException: the rank's end
                 failure = f"{type(exc).__name__}: {exc}"
             codes = [p.exitcode for p in context.processes]
+        if (run + 1) % 25 == 0:
+            print(f"{run + 1} runs, {len(crashes)} crashed, {time.time() - started:.0f} s", flush=True)
         if failure or any(codes):
             crashes.append((run, strategy, codes))
             print(f"run {run} ({strategy}): exit codes {codes} {failure}", flush=True)
